@@ -1,0 +1,66 @@
+"""Shared helpers for the script tests: run a script as a subprocess, read its summary line,
+import a script as a module (for the numerics tests), list scripts by glob."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "leanrl"
+
+
+def scripts(pattern):
+    """Script paths matching a glob inside leanrl/, sorted; never a hand-typed list."""
+    found = sorted(SCRIPTS.glob(pattern))
+    assert found, f"no script matches {pattern}"
+    return found
+
+
+def run_script(script, *args, cwd, timeout=600, env=None, check=True):
+    """Run a script in a subprocess; return (summary dict or None, CompletedProcess).
+
+    The summary is the last stdout line, which every script prints as one JSON object."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", **(env or {})}
+    proc = subprocess.run(
+        [sys.executable, str(script), *map(str, args)],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if check and proc.returncode != 0:
+        pytest.fail(f"{Path(script).name} {' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+    lines = proc.stdout.strip().splitlines()
+    summary = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
+    return summary, proc
+
+
+def assert_one_line_error(proc, *words):
+    """Bad input: non-zero exit, one line on stderr starting with 'error:', no traceback."""
+    assert proc.returncode != 0, proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr
+    for word in words:
+        assert word.lower() in errors[0].lower(), errors[0]
+
+
+def load_script(path):
+    """Import a script as a module (nothing runs at import) to reach its factories."""
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    """Each run writes runs/ and videos/ under its own temporary folder."""
+    return tmp_path
