@@ -10,6 +10,7 @@ the plain script `ppo_continuous_action.py`; only the speed differs.
     python leanrl/ppo_continuous_action_torchcompile.py --compile --cudagraphs
 """
 
+import importlib.util
 import json
 import math
 import os
@@ -118,6 +119,8 @@ def make_env(env_id, idx, capture_video, run_name, gamma):
             env = gym.wrappers.RecordVideo(env, f"videos/{run_name}")
         else:
             env = gym.make(env_id)
+        if not isinstance(env.action_space, gym.spaces.Box):
+            fail(f"{env_id} has a {type(env.action_space).__name__} action space; this script handles continuous (Box) actions only")
         env = gym.wrappers.FlattenObservation(env)
         # Counted before reward normalization, so that the reported returns are the true ones.
         env = gym.wrappers.RecordEpisodeStatistics(env)
@@ -134,6 +137,12 @@ def make_env(env_id, idx, capture_video, run_name, gamma):
 def make_envs(args, run_name, num_envs):
     """The vector env, or one clear line for an env this script cannot use."""
     check_env_id(args.env_id)
+    if args.capture_video:
+        if importlib.util.find_spec("moviepy") is None:
+            fail("--capture-video needs moviepy: pip install 'leanrl[video]'")
+        # MuJoCo renders off-screen through EGL, which needs no display; MUJOCO_GL=glfw or
+        # osmesa set by the user wins.
+        os.environ.setdefault("MUJOCO_GL", "egl")
     thunks = [make_env(args.env_id, i, args.capture_video, run_name, args.gamma) for i in range(num_envs)]
     try:
         # SAME_STEP autoreset: the step that ends an episode already returns the first
@@ -144,8 +153,6 @@ def make_envs(args, run_name, num_envs):
         envs = gym.vector.SyncVectorEnv(thunks, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
     except gym.error.DependencyNotInstalled as e:
         fail(f"{args.env_id} needs a missing dependency ({e}): for MuJoCo envs, pip install 'leanrl[mujoco]'")
-    if not isinstance(envs.single_action_space, gym.spaces.Box):
-        fail(f"{args.env_id} has a {type(envs.single_action_space).__name__} action space; this script handles continuous (Box) actions only")
     return envs
 
 
@@ -281,18 +288,22 @@ def make_update(agent, optimizer, args):
 METRICS = ["value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac", "grad_norm", "loss"]
 
 
-def save_checkpoint(path, agent_state, envs, args):
+def atomic_save(obj, path):
     """Write then rename: a crash mid-save leaves the previous file whole, never a broken one."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    torch.save(obj, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def save_checkpoint(path, agent_state, envs, args):
     norms = obs_normalizers(envs)
     checkpoint = {
         "model": {k: v.detach().cpu() for k, v in agent_state.items()},
         "obs_rms": [{"mean": n.obs_rms.mean, "var": n.obs_rms.var, "count": n.obs_rms.count} for n in norms],
         "args": vars(args),
     }
-    torch.save(checkpoint, path + ".tmp")
-    os.replace(path + ".tmp", path)
-    return path
+    return atomic_save(checkpoint, path)
 
 
 def load_checkpoint(path, agent, envs):

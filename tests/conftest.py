@@ -64,3 +64,27 @@ def load_script(path):
 def workdir(tmp_path):
     """Each run writes runs/ and videos/ under its own temporary folder."""
     return tmp_path
+
+
+def family(script):
+    """The algorithm a script belongs to: its file name without `_torchcompile` and `.py`."""
+    return Path(script).stem.removesuffix("_torchcompile")
+
+
+def is_lean(script):
+    return Path(script).stem.endswith("_torchcompile")
+
+
+# Tiny settings per family: each reaches the update and the logging at least twice within
+# seconds (compile aside), on a cheap env. Every script in leanrl/ must have an entry here.
+TINY = {
+    "ppo_continuous_action": [
+        "--env-id", "InvertedPendulum-v5", "--total-timesteps", "256", "--num-steps", "64",
+        "--num-minibatches", "2", "--update-epochs", "2",
+    ],
+    # Atari: 2 envs, 16 steps, 2 iterations (4 minibatch updates each).
+    "ppo_atari_envpool": [
+        "--env-id", "Breakout-v5", "--num-envs", "2", "--num-steps", "16", "--total-timesteps", "64",
+        "--num-minibatches", "2", "--update-epochs", "2",
+    ],
+}

@@ -1,0 +1,52 @@
+"""Every script, in every mode it has, at tiny sizes: it runs to the end, the update ran, and
+the summary line says so. The lean scripts are also checked for recompiles after warm-up."""
+
+import math
+
+import pytest
+
+from conftest import TINY, family, is_lean, run_script, scripts
+
+ALL = scripts("*.py")
+LEAN = [s for s in ALL if is_lean(s)]
+MODES = {
+    "eager": [],
+    "compile": ["--compile"],
+    "cudagraphs": ["--cudagraphs"],
+    "compile+cudagraphs": ["--compile", "--cudagraphs"],
+}
+CUDA_NOTICE = "notice: --cudagraphs needs a CUDA device; running without CUDA graphs"
+
+
+def test_every_script_has_tiny_settings():
+    assert sorted({family(s) for s in ALL} - TINY.keys()) == []
+
+
+def check_summary(summary, script):
+    assert summary["script"] == script.name
+    assert summary["updates"] > 0, summary
+    assert summary["total_steps"] > 0, summary
+    assert summary["episodic_return"] is None or math.isfinite(summary["episodic_return"]), summary
+    assert summary["interrupted"] is False
+
+
+@pytest.mark.parametrize("script", [s for s in ALL if not is_lean(s)], ids=lambda s: s.stem)
+def test_plain_script_runs(script, workdir):
+    summary, _ = run_script(script, *TINY[family(script)], cwd=workdir)
+    check_summary(summary, script)
+    assert summary["compile"] is False and summary["cudagraphs"] is False
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("script", LEAN, ids=lambda s: s.stem)
+def test_lean_script_runs(script, mode, workdir):
+    import torch
+
+    # Every recompile after the first compilation of a callable is logged under this setting.
+    summary, proc = run_script(script, *TINY[family(script)], *MODES[mode], cwd=workdir, env={"TORCH_LOGS": "recompiles"})
+    check_summary(summary, script)
+    assert summary["compile"] is ("compile" in mode)
+    assert "Recompiling" not in proc.stderr, proc.stderr[-4000:]
+    if "cudagraphs" in mode and not torch.cuda.is_available():
+        assert proc.stderr.count(CUDA_NOTICE) == 1, proc.stderr[-2000:]
+        assert summary["cudagraphs"] is False
