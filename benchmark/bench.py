@@ -1,0 +1,395 @@
+"""The LeanRL benchmark: every pair of scripts, every mode, over seeds, with ceilings.
+
+For each family (a plain script and its `_torchcompile` twin) it runs the plain script and the
+lean script in four modes (eager, compile, cudagraphs, compile+cudagraphs) with the same
+hyper-parameters and budget, collects the one-line JSON summaries into `results.jsonl`,
+measures two ceilings, and writes `table.md` and PNG plots. On a machine without CUDA the
+cudagraphs modes are reported as not applicable, never run as something else.
+
+Ceilings:
+- env: the same environment, stepped with random actions through the same vector API and
+  number of envs, no learning (steps per second);
+- arithmetic (off-policy families): the matrix multiplies of one training step, recorded from
+  a short run of the plain script and replayed in a tight loop (steps per second if a step
+  cost nothing else).
+
+Usage: see `./run.sh --help`.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "leanrl"
+MODES = {
+    "eager": [],
+    "compile": ["--compile"],
+    "cudagraphs": ["--cudagraphs"],
+    "compile+cudagraphs": ["--compile", "--cudagraphs"],
+}
+
+# Per family: the env, the hyper-parameters every mode shares, and the budget (total env
+# steps) of each profile. "full" is what the README's table comes from; "quick" finishes the
+# whole benchmark in minutes. "tiny" is for the benchmark's own test.
+FAMILIES = {
+    "ppo_continuous_action": {
+        "env_id": "HalfCheetah-v5",
+        "num_envs": 1,
+        "args": ["--num-steps", "2048"],
+        # 11 iterations of 2048: the first is warm-up, 20,480 steps after it.
+        "budget": {"full": 22528, "quick": 8192, "tiny": 256},
+        "tiny_args": ["--env-id", "InvertedPendulum-v5", "--num-steps", "64", "--num-minibatches", "2", "--update-epochs", "2"],
+        "off_policy": False,
+    },
+    "sac_continuous_action": {
+        "env_id": "HalfCheetah-v5",
+        "num_envs": 1,
+        "args": ["--learning-starts", "1000"],
+        # 6,000 updates after learning starts; warm-up is the first few hundred.
+        "budget": {"full": 7000, "quick": 2000, "tiny": 200},
+        "tiny_args": ["--env-id", "Pendulum-v1", "--learning-starts", "64", "--batch-size", "32"],
+        "off_policy": True,
+    },
+    "td3_continuous_action": {
+        "env_id": "HalfCheetah-v5",
+        "num_envs": 1,
+        "args": ["--learning-starts", "1000"],
+        "budget": {"full": 7000, "quick": 2000, "tiny": 200},
+        "tiny_args": ["--env-id", "Pendulum-v1", "--learning-starts", "64", "--batch-size", "32"],
+        "off_policy": True,
+    },
+    "dqn": {
+        "env_id": "CartPole-v1",
+        "num_envs": 1,
+        "args": ["--learning-starts", "1000"],
+        "budget": {"full": 20000, "quick": 8000, "tiny": 300},
+        "tiny_args": ["--learning-starts", "100", "--batch-size", "32"],
+        "off_policy": True,
+    },
+    "ppo_atari_envpool": {
+        "env_id": "Breakout-v5",
+        "num_envs": 8,
+        "args": [],
+        # 12 iterations of 8 x 128 steps: 11,264 steps after the first (warm-up) iteration.
+        "budget": {"full": 12288, "quick": 5120, "tiny": 64},
+        "tiny_args": ["--num-envs", "2", "--num-steps", "16"],
+        "off_policy": False,
+    },
+}
+
+
+def family_of(path):
+    return Path(path).stem.removesuffix("_torchcompile")
+
+
+def machine():
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"cpu": cpu, "cores": os.cpu_count(), "gpu": gpu, "torch": torch.__version__, "python": platform.python_version()}
+
+
+def plan(families, seeds, profile, cuda):
+    """The list of runs: (family, script, mode, seed, argv). Cudagraphs modes without CUDA are
+    returned separately as not applicable."""
+    runs, skipped = [], []
+    for fam in families:
+        cfg = FAMILIES[fam]
+        base = ["--total-timesteps", str(cfg["budget"][profile])]
+        base += cfg["tiny_args"] if profile == "tiny" else ["--env-id", cfg["env_id"], *cfg["args"]]
+        plain, lean = SCRIPTS / f"{fam}.py", SCRIPTS / f"{fam}_torchcompile.py"
+        for seed in seeds:
+            runs.append((fam, plain, "plain", seed, [*base, "--seed", str(seed)]))
+            for mode, flags in MODES.items():
+                if "cudagraphs" in mode and not cuda:
+                    if seed == seeds[0]:
+                        skipped.append((fam, lean, mode))
+                    continue
+                runs.append((fam, lean, mode, seed, [*base, "--seed", str(seed), *flags]))
+    return runs, skipped
+
+
+def run_one(script, argv, log_dir, timeout):
+    """Run one script; return its summary dict (None if it failed) and the log path."""
+    log = log_dir / f"{script.stem}__{'_'.join(a.strip('-') for a in argv[-3:])}.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
+    with open(log, "w") as err:
+        try:
+            proc = subprocess.run([sys.executable, str(script), *argv], stdout=subprocess.PIPE, stderr=err, text=True, env=env, timeout=timeout, cwd=log_dir)
+        except subprocess.TimeoutExpired:
+            return None, log
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines or not lines[-1].startswith("{"):
+        return None, log
+    return json.loads(lines[-1]), log
+
+
+def env_ceiling(env_id, num_envs, envpool_env=False, seconds=10.0):
+    """Steps per second of the env alone: random actions, no learning, same vector API."""
+    import numpy as np
+
+    if envpool_env:
+        import envpool
+
+        envs = envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, episodic_life=True, reward_clip=True, seed=1)
+        n_act = envs.action_space.n
+        envs.reset()
+        step = lambda: envs.step(np.random.randint(0, n_act, num_envs))  # noqa: E731
+    else:
+        import gymnasium as gym
+
+        envs = gym.vector.SyncVectorEnv(
+            [lambda: gym.wrappers.RecordEpisodeStatistics(gym.make(env_id)) for _ in range(num_envs)],
+            autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
+        )
+        envs.action_space.seed(1)
+        envs.reset(seed=1)
+        step = lambda: envs.step(envs.action_space.sample())  # noqa: E731
+    for _ in range(100):
+        step()
+    steps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(100):
+            step()
+        steps += 100 * num_envs
+    envs.close()
+    return steps / (time.perf_counter() - start)
+
+
+RECORD_MATMULS = r"""
+import json, runpy, sys, torch
+from torch.utils._python_dispatch import TorchDispatchMode
+out, script, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
+aten = torch.ops.aten
+MM = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+seen = []
+class Record(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in MM:
+            mats = [a for a in args if isinstance(a, torch.Tensor)][-2:]
+            seen.append([func.__name__, [list(m.shape) for m in mats], [m.stride(-1) != 1 for m in mats]])
+        return func(*args, **(kwargs or {}))
+import contextlib, io
+buf = io.StringIO()
+sys.argv = [script, *argv]
+with Record(), contextlib.redirect_stdout(buf):
+    runpy.run_path(script, run_name="__main__")
+summary = json.loads(buf.getvalue().strip().splitlines()[-1])
+json.dump({"matmuls": seen, "summary": summary}, open(out, "w"))
+"""
+
+
+def arithmetic_ceiling(family, work_dir, seconds=5.0):
+    """Steps per second if a training step cost only its matrix multiplies.
+
+    A short eager run of the plain script records every matmul (shapes and transposition);
+    those after learning starts are replayed in a tight loop, and the time per step follows
+    from the number of env steps they served."""
+    import torch
+
+    cfg = FAMILIES[family]
+    # The acting forwards of the first `learning_starts` steps are recorded too: single-row
+    # matmuls, well under 1% of the replay time.
+    learning_starts, train_steps = 256, 300
+    out = work_dir / f"matmuls_{family}.json"
+    argv = ["--env-id", cfg["env_id"], "--learning-starts", str(learning_starts), "--total-timesteps", str(learning_starts + train_steps)]
+    subprocess.run([sys.executable, "-c", RECORD_MATMULS, str(out), str(SCRIPTS / f"{family}.py"), *argv], check=True, cwd=work_dir, capture_output=True, env={**os.environ, "WANDB_MODE": "disabled"})
+    mats = []
+    for name, shapes, transposed in json.loads(out.read_text())["matmuls"]:
+        pair = []
+        for shape, t in zip(shapes, transposed):
+            x = torch.randn(*shape[:-2], shape[-1], shape[-2]).transpose(-1, -2) if t else torch.randn(*shape)
+            pair.append(x)
+        mats.append((torch.bmm if len(shapes[0]) == 3 else torch.mm, pair))
+    for fn, (a, b) in mats:
+        fn(a, b)
+    reps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for fn, (a, b) in mats:
+            fn(a, b)
+        reps += 1
+    per_pass = (time.perf_counter() - start) / reps
+    flops = sum(2 * a.shape[-2] * a.shape[-1] * b.shape[-1] * (a.shape[0] if a.dim() == 3 else 1) for _, (a, b) in mats)
+    # One pass replays every update of the recorded run: `train_steps` env steps' worth.
+    return {"sps": train_steps * cfg["num_envs"] / per_pass, "gflop_per_step": flops / train_steps / 1e9, "gflops": flops / per_pass / 1e9}
+
+
+def fmt_duration(seconds):
+    seconds = int(seconds)
+    return f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def summarize(results, skipped, ceilings, info):
+    """The Markdown table: per family and mode, the median over seeds and its min-max."""
+    rows = [
+        f"Machine: {info['cpu']}, {info['cores']} cores, GPU: {info['gpu'] or 'none'}; torch {info['torch']}, Python {info['python']}.",
+        f"Command: `{info['command']}` (profile `{info['profile']}`, seeds {info['seeds']}).",
+        "",
+        "| algorithm | script | mode | steps/s (median) | min-max | vs plain | of env ceiling | of arithmetic ceiling | warm-up s | peak RSS MB | return (median) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    by_cell = {}
+    for r in results:
+        by_cell.setdefault((r["family"], r["mode"]), []).append(r)
+    for fam in dict.fromkeys(r["family"] for r in results):
+        plain = by_cell.get((fam, "plain"), [])
+        plain_sps = statistics.median([r["sps"] for r in plain]) if plain else None
+        ceil = ceilings.get(fam, {})
+        for mode in ["plain", *MODES]:
+            if any(s[0] == fam and s[2] == mode for s in skipped):
+                rows.append(f"| {fam} | {fam}_torchcompile.py | {mode} | n/a (needs CUDA) | | | | | | | |")
+                continue
+            cell = by_cell.get((fam, mode))
+            if not cell:
+                continue
+            sps = [r["sps"] for r in cell]
+            med = statistics.median(sps)
+            returns = [r["episodic_return"] for r in cell if r["episodic_return"] is not None]
+            cols = [
+                fam,
+                cell[0]["script"],
+                mode,
+                f"{med:,.0f}",
+                f"{min(sps):,.0f}-{max(sps):,.0f}",
+                f"{med / plain_sps:.2f}x" if plain_sps else "",
+                f"{med / ceil['env_sps']:.0%}" if ceil.get("env_sps") else "",
+                f"{med / ceil['arith']['sps']:.0%}" if ceil.get("arith") else "",
+                f"{statistics.median([r['warmup_s'] for r in cell]):.1f}",
+                f"{max(r['peak_rss_mb'] for r in cell):,.0f}",
+                f"{statistics.median(returns):.1f}" if returns else "",
+            ]
+            rows.append("| " + " | ".join(cols) + " |")
+    rows += ["", "Ceilings (steps/s):", ""]
+    for fam, ceil in ceilings.items():
+        line = f"- {fam}: env alone {ceil['env_sps']:,.0f} ({FAMILIES[fam]['env_id']}, {FAMILIES[fam]['num_envs']} env, random actions)"
+        if ceil.get("arith"):
+            a = ceil["arith"]
+            line += f"; matmuls alone {a['sps']:,.0f} ({a['gflop_per_step']:.2f} GFLOP per step at {a['gflops']:.0f} GFLOP/s)"
+        rows.append(line)
+    return "\n".join(rows) + "\n"
+
+
+def plot(results, out_dir):
+    """Bars of steps per second per mode, and return against wall-clock and against steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for fam in dict.fromkeys(r["family"] for r in results):
+        cells = {}
+        for r in results:
+            if r["family"] == fam:
+                cells.setdefault(r["mode"], []).append(r)
+        fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+        modes = list(cells)
+        meds = [statistics.median([r["sps"] for r in cells[m]]) for m in modes]
+        lows = [m - min(r["sps"] for r in cells[k]) for m, k in zip(meds, modes)]
+        highs = [max(r["sps"] for r in cells[k]) - m for m, k in zip(meds, modes)]
+        axes[0].bar(modes, meds, yerr=[lows, highs], capsize=4, color=["grey"] + ["C0", "C1", "C2", "C3"][: len(modes) - 1])
+        axes[0].set_ylabel("steps per second (median, min-max)")
+        axes[0].set_title(f"{fam}: speed")
+        axes[0].tick_params(axis="x", rotation=20)
+        for i, mode in enumerate(modes):
+            for j, r in enumerate(cells[mode]):
+                curve = r.get("curve") or []
+                if not curve:
+                    continue
+                steps, secs, rets = zip(*curve)
+                label = mode if j == 0 else None
+                axes[1].plot(secs, rets, color=f"C{i}" if mode != "plain" else "grey", alpha=0.8, label=label)
+                axes[2].plot(steps, rets, color=f"C{i}" if mode != "plain" else "grey", alpha=0.8, label=label)
+        axes[1].set_xlabel("wall-clock seconds")
+        axes[2].set_xlabel("env steps")
+        for ax in axes[1:]:
+            ax.set_ylabel("episodic return")
+            ax.legend(fontsize=8)
+        axes[1].set_title("return against time")
+        axes[2].set_title("return against steps")
+        fig.tight_layout()
+        path = out_dir / f"{fam}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="run.sh", description="Benchmark LeanRL: plain vs lean in every mode, over seeds.")
+    parser.add_argument("--profile", choices=["quick", "full", "tiny"], default="full", help="budget per run (see FAMILIES in benchmark/bench.py)")
+    parser.add_argument("--quick", action="store_const", const="quick", dest="profile", help="same as --profile quick")
+    parser.add_argument("--scripts", nargs="+", default=list(FAMILIES), choices=list(FAMILIES), metavar="FAMILY", help=f"families to run (default: all): {', '.join(FAMILIES)}")
+    parser.add_argument("--seeds", nargs="+", type=int, default=None, help="seeds (default: 1 2 3 for full, 1 2 for quick)")
+    parser.add_argument("--steps", type=int, default=None, help="override the total env steps of every run")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: bench_results/<profile>-<time>)")
+    parser.add_argument("--no-ceilings", action="store_true", help="skip the env and arithmetic ceilings")
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds before one run is abandoned")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    seeds = args.seeds or ([1, 2, 3] if args.profile == "full" else [1, 2] if args.profile == "quick" else [1])
+    out = args.out or ROOT / "bench_results" / f"{args.profile}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "logs").mkdir(exist_ok=True)
+    if args.steps:
+        for cfg in FAMILIES.values():
+            cfg["budget"][args.profile] = args.steps
+    info = {**machine(), "profile": args.profile, "seeds": seeds, "command": "./run.sh " + " ".join(argv if argv is not None else sys.argv[1:])}
+    runs, skipped = plan(args.scripts, seeds, args.profile, torch.cuda.is_available())
+    for fam, script, mode in skipped:
+        print(f"n/a: {script.name} {mode} needs CUDA; reported as not applicable", flush=True)
+
+    results, start = [], time.perf_counter()
+    with open(out / "results.jsonl", "w") as sink:
+        for i, (fam, script, mode, seed, run_argv) in enumerate(runs, 1):
+            elapsed = time.perf_counter() - start
+            eta = f", about {fmt_duration(elapsed / (i - 1) * (len(runs) - i + 1))} left" if i > 1 else ""
+            print(f"[{i}/{len(runs)}] {script.name} {mode} seed {seed} (elapsed {fmt_duration(elapsed)}{eta})", flush=True)
+            summary, log = run_one(script, run_argv, out / "logs", args.timeout)
+            if summary is None:
+                print(f"  failed: see {log}", flush=True)
+                continue
+            record = {"family": fam, "mode": mode, **summary}
+            results.append(record)
+            sink.write(json.dumps(record) + "\n")
+            sink.flush()
+            print(f"  {summary['sps']:,.0f} steps/s after warm-up ({summary['warmup_s']:.1f} s), return {summary['episodic_return']}", flush=True)
+
+    ceilings = {}
+    if not args.no_ceilings and args.profile != "tiny":
+        for fam in args.scripts:
+            cfg = FAMILIES[fam]
+            print(f"ceiling: {fam} ({cfg['env_id']})", flush=True)
+            ceilings[fam] = {"env_sps": env_ceiling(cfg["env_id"], cfg["num_envs"], envpool_env=fam == "ppo_atari_envpool")}
+            if cfg["off_policy"]:
+                ceilings[fam]["arith"] = arithmetic_ceiling(fam, out / "logs")
+    (out / "ceilings.json").write_text(json.dumps({"machine": info, "ceilings": ceilings}, indent=1))
+
+    table = summarize(results, skipped, ceilings, info)
+    (out / "table.md").write_text(table)
+    plots = plot(results, out) if results else []
+    print(table)
+    print(f"results: {out / 'results.jsonl'}; table: {out / 'table.md'}; plots: {', '.join(p.name for p in plots)}")
+    print(f"done in {fmt_duration(time.perf_counter() - start)}")
+    return 0 if len(results) == len(runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
