@@ -401,6 +401,7 @@ def main(args: Args):
 
     checkpoint_path = f"runs/{run_name}/{args.exp_name}.pt"
     recent_returns = deque(maxlen=10)
+    curve = []  # (env steps, seconds, mean return) at each log point, for the benchmark's plots
     global_step, updates, iteration = 0, 0, 0
     start_time = time.perf_counter()
     warmup_s, warm_step, warm_time = None, 0, start_time
@@ -484,6 +485,8 @@ def main(args: Args):
             mean_return = float(np.mean(recent_returns)) if recent_returns else float("nan")
             pbar.update(batch_size)
             pbar.set_description(f"sps={sps:6.0f} return={mean_return:8.2f}")
+            if recent_returns:
+                curve.append((global_step, round(time.perf_counter() - start_time, 3), round(mean_return, 3)))
             if wandb is not None:
                 y_pred, y_true = values.flatten(), returns.flatten()
                 var_y = y_true.var()
@@ -527,6 +530,7 @@ def main(args: Args):
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "interrupted": interrupted,
         "checkpoint": saved,
+        "curve": curve[:: max(1, len(curve) // 200)],
     }
     if wandb is not None:
         wandb.finish()
