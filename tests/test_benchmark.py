@@ -1,0 +1,49 @@
+"""The benchmark's machinery on one tiny configuration: runs, table and plots are produced.
+Only their presence and shape are checked, never their numbers."""
+
+import importlib.util
+import math
+
+from conftest import ROOT
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench", ROOT / "benchmark" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_tiny_profile_writes_table_and_plot(tmp_path):
+    bench = load_bench()
+    status = bench.main(["--profile", "tiny", "--scripts", "ppo_continuous_action", "--out", str(tmp_path)])
+    assert status == 0
+    records = (tmp_path / "results.jsonl").read_text().splitlines()
+    # plain + eager + compile, and the two cudagraphs modes on a CUDA machine
+    assert len(records) in (3, 5)
+    table = (tmp_path / "table.md").read_text()
+    for mode in ("| plain |", "| eager |", "| compile |", "| cudagraphs |", "| compile+cudagraphs |"):
+        assert mode in table, table
+    png = tmp_path / "ppo_continuous_action.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cudagraphs_modes_are_not_applicable_without_cuda():
+    bench = load_bench()
+    runs, skipped = bench.plan(["ppo_continuous_action"], [1, 2], "tiny", cuda=False)
+    assert {mode for *_, mode, _, _ in runs} == {"plain", "eager", "compile"}
+    assert sorted(mode for *_, mode in skipped) == ["compile+cudagraphs", "cudagraphs"]
+    runs, skipped = bench.plan(["ppo_continuous_action"], [1], "tiny", cuda=True)
+    assert len(runs) == 5 and not skipped
+
+
+def test_env_ceiling_steps_the_env():
+    bench = load_bench()
+    assert bench.env_ceiling("CartPole-v1", 2, seconds=0.3) > 0
+
+
+def test_arithmetic_ceiling_replays_recorded_matmuls(tmp_path):
+    bench = load_bench()
+    ceiling = bench.arithmetic_ceiling("dqn", tmp_path, seconds=0.3)
+    assert ceiling["sps"] > 0 and math.isfinite(ceiling["gflops"])
+    assert ceiling["gflop_per_step"] > 0
