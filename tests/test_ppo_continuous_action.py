@@ -27,32 +27,80 @@ def random_batch(generator):
     )
 
 
+def make_updates(lean, args, compiled):
+    """Two agents with equal parameters, each with its own update (eager, or compiled)."""
+    torch.manual_seed(0)
+    agents = [lean.Agent(N_OBS, N_ACT)]
+    agents.append(copy.deepcopy(agents[0]))
+    updates = []
+    for agent, compile_it in zip(agents, compiled):
+        update = lean.make_update(agent, torch.tensor(args.learning_rate), args)
+        updates.append(torch.compile(update, fullgraph=True) if compile_it else update)
+    return agents, updates
+
+
+def assert_same_parameters(agent_a, agent_b, **tolerance):
+    for (name, a), (_, b) in zip(agent_a.named_parameters(), agent_b.named_parameters()):
+        torch.testing.assert_close(b, a, msg=name, **tolerance)
+
+
 def test_compiled_update_matches_eager():
-    """From the same parameters and the same minibatches, three compiled steps (forward,
+    """From the same parameters and the same minibatches, three compiled steps (gather, forward,
     backward, clipping, Adam) agree with three eager steps within float32 round-off.
 
     Tolerance: rtol 1e-4, atol 1e-5. Inductor reorders float32 reductions, which moves the
     results by ~1e-6; a wrong coefficient or a dropped term moves them by far more."""
     lean = load_script(LEAN)
     args = lean.Args()
-    torch.manual_seed(0)
-    agents = [lean.Agent(N_OBS, N_ACT)]
-    agents.append(copy.deepcopy(agents[0]))
-    updates = []
-    for agent, compiled in zip(agents, (False, True)):
-        optimizer = torch.optim.Adam(agent.parameters(), lr=torch.tensor(args.learning_rate), eps=1e-5)
-        update = lean.make_update(agent, optimizer, args)
-        updates.append(torch.compile(update) if compiled else update)
-
+    agents, updates = make_updates(lean, args, compiled=(False, True))
+    initial = copy.deepcopy(agents[0])
     g = torch.Generator().manual_seed(1)
     batch = random_batch(g)
     for _ in range(3):
         idx = torch.randperm(BATCH, generator=g)[:MINIBATCH]
         eager_stats, compiled_stats = (update(*batch, idx) for update in updates)
         torch.testing.assert_close(compiled_stats, eager_stats, rtol=1e-4, atol=1e-5)
-    for (name, p_eager), (_, p_compiled) in zip(agents[0].named_parameters(), agents[1].named_parameters()):
-        torch.testing.assert_close(p_compiled, p_eager, rtol=1e-4, atol=1e-5, msg=name)
-    assert not torch.equal(agents[0].actor_mean[0].weight, lean.Agent(N_OBS, N_ACT).actor_mean[0].weight)
+    assert_same_parameters(agents[0], agents[1], rtol=1e-4, atol=1e-5)
+    assert not torch.equal(agents[0].actor_mean[0].weight, initial.actor_mean[0].weight)
+
+
+def test_update_is_clip_grad_norm_then_adam():
+    """The lean step's hand-fused optimizer is torch's: the same loss, `loss.backward()`,
+    `nn.utils.clip_grad_norm_` and `optim.Adam(eps=1e-5)` give the same parameters.
+    A small max_grad_norm makes the clipping bite."""
+    lean = load_script(LEAN)
+    args = lean.Args(max_grad_norm=0.05)
+    agents, (update, _) = make_updates(lean, args, compiled=(False, False))
+    reference = agents[1]
+    optimizer = torch.optim.Adam(reference.parameters(), lr=args.learning_rate, eps=1e-5)
+    g = torch.Generator().manual_seed(2)
+    batch = random_batch(g)
+    for _ in range(3):
+        idx = torch.randperm(BATCH, generator=g)[:MINIBATCH]
+        stats = update(*batch, idx)
+        loss = reference_loss(lean, reference, args, [t[idx] for t in batch])
+        optimizer.zero_grad()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), args.max_grad_norm)
+        optimizer.step()
+        torch.testing.assert_close(stats[-1], norm)
+        torch.testing.assert_close(stats[-2], loss.detach())
+    assert norm > args.max_grad_norm
+    assert_same_parameters(reference, agents[0], rtol=1e-5, atol=1e-7)
+
+
+def reference_loss(lean, agent, args, minibatch):
+    """PPO's loss as the plain script writes it, with torch.distributions.Normal."""
+    obs, actions, logprobs, advantages, returns, values = minibatch
+    action_mean = agent.actor_mean(obs)
+    dist = torch.distributions.Normal(action_mean, agent.actor_logstd.expand_as(action_mean).exp())
+    ratio = (dist.log_prob(actions).sum(1) - logprobs).exp()
+    advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+    pg_loss = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)).mean()
+    newvalue = agent.critic(obs).view(-1)
+    v_clipped = values + (newvalue - values).clamp(-args.clip_coef, args.clip_coef)
+    v_loss = 0.5 * torch.max((newvalue - returns) ** 2, (v_clipped - returns) ** 2).mean()
+    return pg_loss - args.ent_coef * dist.entropy().sum(1).mean() + args.vf_coef * v_loss
 
 
 def reference_gae(rewards, values, dones, next_value, gamma, gae_lambda):
