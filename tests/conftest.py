@@ -82,6 +82,11 @@ TINY = {
         "--env-id", "InvertedPendulum-v5", "--total-timesteps", "256", "--num-steps", "64",
         "--num-minibatches", "2", "--update-epochs", "2",
     ],
+    # Learning starts at step 64; 237 updates; logs at steps 100, 200 and 300.
+    "sac_continuous_action": [
+        "--env-id", "Pendulum-v1", "--total-timesteps", "300", "--learning-starts", "64",
+        "--batch-size", "32", "--buffer-size", "1000",
+    ],
     # Atari: 2 envs, 16 steps, 2 iterations (4 minibatch updates each).
     "ppo_atari_envpool": [
         "--env-id", "Breakout-v5", "--num-envs", "2", "--num-steps", "16", "--total-timesteps", "64",
