@@ -87,6 +87,11 @@ TINY = {
         "--env-id", "Pendulum-v1", "--total-timesteps", "300", "--learning-starts", "64",
         "--batch-size", "32", "--buffer-size", "1000",
     ],
+    # Learning starts at step 32; 208 updates; logs at steps 33, 133 and 233.
+    "td3_continuous_action": [
+        "--env-id", "Pendulum-v1", "--total-timesteps", "240", "--learning-starts", "32",
+        "--batch-size", "16", "--buffer-size", "1000",
+    ],
     # Atari: 2 envs, 16 steps, 2 iterations (4 minibatch updates each).
     "ppo_atari_envpool": [
         "--env-id", "Breakout-v5", "--num-envs", "2", "--num-steps", "16", "--total-timesteps", "64",
