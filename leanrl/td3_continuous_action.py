@@ -475,5 +475,20 @@ def main(args: Args):
         fail(stop_reason)
 
 
+def parse_args() -> Args:
+    """tyro's command line, where a boolean is a flag (`--compile`, `--no-autotune`), also taking
+    the spelling `--autotune false` or `--autotune=False`."""
+    flags = {"--" + name.replace("_", "-") for name, kind in Args.__annotations__.items() if kind is bool}
+    argv = []
+    for arg in sys.argv[1:]:
+        flag, eq, value = arg.partition("=")
+        if not eq and argv and argv[-1] in flags and arg.lower() in ("true", "false"):
+            flag, value = argv.pop(), arg
+        if flag in flags and value.lower() in ("true", "false"):
+            arg = flag if value.lower() == "true" else "--no-" + flag[2:]
+        argv.append(arg)
+    return tyro.cli(Args, args=argv)
+
+
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(parse_args())

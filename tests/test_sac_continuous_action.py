@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_one_line_error, load_script, run_script, scripts
+from conftest import TINY, assert_one_line_error, load_script, run_script, scripts
 
 PAIR = scripts("sac_continuous_action*.py")
 PLAIN = scripts("sac_continuous_action.py")[0]
@@ -272,3 +272,13 @@ def test_learns_pendulum(script, seed, workdir):
     summary, _ = run_script(script, *LEARNING_ARGS, "--seed", seed, cwd=workdir, timeout=900, env={"OMP_NUM_THREADS": "1"})
     assert summary["total_steps"] == 6000 and summary["updates"] == 5001
     assert summary["episodic_return"] > LEARNING_THRESHOLD, summary
+
+
+@pytest.mark.parametrize("script", PAIR, ids=lambda s: s.stem)
+def test_autotune_false_and_two_envs_from_the_command_line(script, workdir):
+    """`--autotune false` (the spelling the original LeanRL crashed on) with `--num-envs 2`:
+    both scripts run to the end and update."""
+    summary, _ = run_script(
+        script, *TINY["sac_continuous_action"], "--autotune", "false", "--num-envs", "2", cwd=workdir, env={"OMP_NUM_THREADS": "1"}
+    )
+    assert summary["updates"] > 0 and summary["total_steps"] >= 200

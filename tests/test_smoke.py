@@ -2,10 +2,11 @@
 the summary line says so. The lean scripts are also checked for recompiles after warm-up."""
 
 import math
+import sys
 
 import pytest
 
-from conftest import TINY, family, is_lean, run_script, scripts
+from conftest import TINY, family, is_lean, load_script, run_script, scripts
 
 ALL = scripts("*.py")
 LEAN = [s for s in ALL if is_lean(s)]
@@ -50,3 +51,12 @@ def test_lean_script_runs(script, mode, workdir):
     if "cudagraphs" in mode and not torch.cuda.is_available():
         assert proc.stderr.count(CUDA_NOTICE) == 1, proc.stderr[-2000:]
         assert summary["cudagraphs"] is False
+
+
+@pytest.mark.parametrize("script", ALL, ids=lambda s: s.stem)
+def test_boolean_flags_take_true_or_false(script, monkeypatch):
+    """Booleans are tyro flags (`--track`, `--no-cuda`) and also take `false`/`True` values."""
+    module = load_script(script)
+    monkeypatch.setattr(sys, "argv", [str(script), "--cuda", "false", "--capture-video=True", "--track", "--no-save-model"])
+    args = module.parse_args()
+    assert (args.cuda, args.capture_video, args.track, args.save_model) == (False, True, True, False)
