@@ -92,6 +92,12 @@ TINY = {
         "--env-id", "Pendulum-v1", "--total-timesteps", "240", "--learning-starts", "32",
         "--batch-size", "16", "--buffer-size", "1000",
     ],
+    # Learning starts at step 100; 75 updates (one per 4 steps); target copies every 50 steps;
+    # logs at steps 100, 200, 300 and 400.
+    "dqn": [
+        "--total-timesteps", "400", "--learning-starts", "100", "--batch-size", "32",
+        "--buffer-size", "500", "--train-frequency", "4", "--target-network-frequency", "50",
+    ],
     # Atari: 2 envs, 16 steps, 2 iterations (4 minibatch updates each).
     "ppo_atari_envpool": [
         "--env-id", "Breakout-v5", "--num-envs", "2", "--num-steps", "16", "--total-timesteps", "64",
