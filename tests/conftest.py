@@ -56,6 +56,8 @@ def load_script(path):
     path = Path(path)
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
+    # Registered, because dynamo looks a compiled function's globals up through sys.modules.
+    sys.modules[path.stem] = module
     spec.loader.exec_module(module)
     return module
 
