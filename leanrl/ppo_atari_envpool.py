@@ -319,6 +319,7 @@ def main(args: Args):
 
     checkpoint_path = f"runs/{run_name}/{args.exp_name}.pt"
     recent_returns = deque(maxlen=10)
+    curve = []  # (env steps, seconds, mean return) at each log point, for the benchmark's plots
     global_step, updates = 0, 0
     start_time = time.perf_counter()
     warmup_s, warm_step, warm_time = None, 0, start_time
@@ -458,6 +459,8 @@ def main(args: Args):
             mean_return = float(np.mean(recent_returns)) if recent_returns else float("nan")
             pbar.update(batch_size)
             pbar.set_description(f"sps={sps:6.0f} return={mean_return:8.2f}")
+            if recent_returns:
+                curve.append((global_step, round(time.perf_counter() - start_time, 3), round(mean_return, 3)))
 
             if wandb is not None:
                 valid = b_valid.bool()
@@ -512,6 +515,7 @@ def main(args: Args):
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "interrupted": interrupted,
         "checkpoint": saved,
+        "curve": curve[:: max(1, len(curve) // 200)],
     }
     if wandb is not None:
         wandb.finish()
@@ -520,5 +524,20 @@ def main(args: Args):
         fail(stop_reason)
 
 
+def parse_args() -> Args:
+    """tyro's command line, where a boolean is a flag (`--compile`, `--no-cuda`), also taking
+    the spelling `--cuda false` or `--cuda=False`."""
+    flags = {"--" + name.replace("_", "-") for name, kind in Args.__annotations__.items() if kind is bool}
+    argv = []
+    for arg in sys.argv[1:]:
+        flag, eq, value = arg.partition("=")
+        if not eq and argv and argv[-1] in flags and arg.lower() in ("true", "false"):
+            flag, value = argv.pop(), arg
+        if flag in flags and value.lower() in ("true", "false"):
+            arg = flag if value.lower() == "true" else "--no-" + flag[2:]
+        argv.append(arg)
+    return tyro.cli(Args, args=argv)
+
+
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(parse_args())

@@ -15,7 +15,6 @@ same learning as the plain script `ppo_atari_envpool.py`; only the speed differs
 
 import importlib.util
 import json
-import logging
 import math
 import os
 import random
@@ -29,16 +28,11 @@ import gymnasium as gym
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.optim as optim
 import tqdm
 import tyro
 from gymnasium.utils.save_video import capped_cubic_video_schedule
 from tensordict import from_module
 from tensordict.nn import CudaGraphModule
-
-# torch.compile of an update that calls optimizer.step() logs a warning that the profiler's
-# record_function inside the step is skipped (torch 2.5 to 2.13): nothing a user can act on.
-logging.getLogger("torch._dynamo.variables.ctx_manager").setLevel(logging.ERROR)
 
 
 @dataclass
@@ -240,19 +234,22 @@ class Agent(nn.Module):
         self.actor = layer_init(nn.Linear(512, n_act, device=device), std=0.01)
         self.critic = layer_init(nn.Linear(512, 1, device=device), std=1)
 
+    def forward(self, obs):
+        hidden = self.network(obs / 255.0)
+        return self.actor(hidden), self.critic(hidden).flatten()
+
 
 def make_policy(agent):
     """Acting: one forward of the shared trunk and both heads, without autograd."""
 
     def policy(obs):
-        hidden = agent.network(obs / 255.0)
-        logits = agent.actor(hidden)
+        logits, value = agent(obs)
         # Gumbel-max: argmax(logits + Gumbel noise) is a sample of Categorical(logits), in
         # elementwise ops that compile, where torch.multinomial would break the graph.
         gumbel = -(-torch.rand_like(logits).log()).log()
         action = (logits + gumbel).argmax(1)
         logprob = logits.log_softmax(1).gather(1, action.unsqueeze(1)).squeeze(1)
-        return action, logprob, agent.critic(hidden).flatten()
+        return action, logprob, value
 
     return policy
 
@@ -280,25 +277,32 @@ def make_gae(gamma, gae_lambda):
     return gae
 
 
-def make_update(agent, optimizer, args):
-    """One minibatch step. It gathers its minibatch from the whole flat batch by index inside the
-    (compiled) function, so the gather and the uint8-to-float division fuse into one pass.
+def make_update(agent, lr, args, betas=(0.9, 0.999), eps=1e-5):
+    """One minibatch step as a pure function of tensors, so that torch.compile sees all of it as
+    one graph (`fullgraph=True`): the minibatch gather and the uint8-to-float division, forward,
+    backward (`torch.func.grad`), gradient clipping and Adam. Written with `loss.backward()` and
+    `optim.Adam.step()`, the step breaks into several graphs with eager glue between them
+    (dynamo traces neither `zero_grad` nor `Tensor.backward`).
+
+    The arithmetic is torch's `clip_grad_norm_` followed by `Adam` (tests check it against
+    them); the Adam state lives in this closure and `lr` is a tensor updated in place.
 
     `valid` is 0 at envpool's reset steps (see the rollout in `main`): every mean runs over the
     other steps only, the advantage normalization included."""
     clip_coef, ent_coef, vf_coef = args.clip_coef, args.ent_coef, args.vf_coef
     norm_adv, clip_vloss, max_grad_norm = args.norm_adv, args.clip_vloss, args.max_grad_norm
+    beta1, beta2 = betas
+    params = dict(agent.named_parameters())
+    exp_avg = {k: torch.zeros_like(p) for k, p in params.items()}
+    exp_avg_sq = {k: torch.zeros_like(p) for k, p in params.items()}
+    step = torch.zeros((), device=lr.device)
 
-    def update(obs, actions, logprobs, advantages, returns, values, valid, idx):
-        mb_obs, mb_actions, mb_logprobs = obs[idx], actions[idx], logprobs[idx]
-        mb_advantages, mb_returns, mb_values, mb_valid = advantages[idx], returns[idx], values[idx], valid[idx]
-        n_valid = mb_valid.sum().clamp(min=1)
-
-        hidden = agent.network(mb_obs / 255.0)
-        logits = agent.actor(hidden).log_softmax(1)
+    def loss_fn(params, mb_obs, mb_actions, mb_logprobs, mb_advantages, mb_returns, mb_values, mb_valid):
+        logits, newvalue = torch.func.functional_call(agent, params, (mb_obs,))
+        logits = logits.log_softmax(1)
         newlogprob = logits.gather(1, mb_actions.unsqueeze(1)).squeeze(1)
         entropy = -(logits.exp() * logits).sum(1)
-        newvalue = agent.critic(hidden).view(-1)
+        n_valid = mb_valid.sum().clamp(min=1)
 
         logratio = newlogprob - mb_logprobs
         ratio = logratio.exp()
@@ -327,17 +331,35 @@ def make_update(agent, optimizer, args):
 
         entropy_loss = (entropy * mb_valid).sum() / n_valid
         loss = pg_loss - ent_coef * entropy_loss + v_loss * vf_coef
+        stats = torch.stack([v_loss, pg_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac, loss]).detach()
+        return loss, stats
 
-        optimizer.zero_grad()
-        loss.backward()
-        grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), max_grad_norm)
-        optimizer.step()
-        return torch.stack([v_loss, pg_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac, grad_norm, loss]).detach()
+    grad_fn = torch.func.grad(loss_fn, has_aux=True)
+
+    def update(obs, actions, logprobs, advantages, returns, values, valid, idx):
+        minibatch = (obs[idx], actions[idx], logprobs[idx], advantages[idx], returns[idx], values[idx], valid[idx])
+        grads, stats = grad_fn({k: p.detach() for k, p in params.items()}, *minibatch)
+
+        # nn.utils.clip_grad_norm_
+        grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
+        clip = (max_grad_norm / (grad_norm + 1e-6)).clamp(max=1.0)
+        # optim.Adam
+        step.add_(1)
+        bias_correction1 = 1 - beta1**step
+        bias_correction2 = 1 - beta2**step
+        with torch.no_grad():
+            for k, p in params.items():
+                g = grads[k] * clip
+                exp_avg[k].lerp_(g, 1 - beta1)
+                exp_avg_sq[k].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                denom = (exp_avg_sq[k] / bias_correction2).sqrt_().add_(eps)
+                p.sub_(lr * (exp_avg[k] / bias_correction1) / denom)
+        return torch.cat([stats, grad_norm.unsqueeze(0)])
 
     return update
 
 
-METRICS = ["value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac", "grad_norm", "loss"]
+METRICS = ["value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac", "loss", "grad_norm"]
 
 
 def atomic_save(obj, path):
@@ -410,27 +432,22 @@ def main(args: Args):
     from_module(agent).data.to_module(agent_inference)
 
     # The learning rate is a tensor updated in place, so annealing never recompiles the update.
-    # capturable=True keeps Adam's step count on the device, which CUDA graphs need.
-    optimizer = optim.Adam(
-        agent.parameters(),
-        lr=torch.tensor(args.learning_rate, device=device),
-        eps=1e-5,
-        capturable=cudagraphs and not args.compile,
-    )
+    lr = torch.tensor(args.learning_rate, device=device)
 
     policy = make_policy(agent_inference)
     gae = make_gae(args.gamma, args.gae_lambda)
-    update = make_update(agent, optimizer, args)
-    # What --compile compiles, measured on a 2-core CPU with torch 2.13, one thread, medians on a
-    # loaded machine (see docs/ppo_atari_envpool.md):
-    # - update: about 600 ms eager, 370 ms compiled per minibatch of 256 (channels-last frames,
-    #   see below); the gather, the uint8-to-float division and the losses fuse into a few C++
-    #   kernels around oneDNN's convolutions, which are most of what is left. Compiled everywhere;
-    # - policy: 6.9 ms eager, 7.4 ms compiled for the 8 frames of one step (the same oneDNN
+    update = make_update(agent, lr, args)
+    # What --compile compiles, measured on this 2-core CPU with torch 2.13, one thread, medians
+    # (see docs/ppo_atari_envpool.md):
+    # - update: 163 ms eager, 125 ms compiled per minibatch of 256, both on channels-last frames
+    #   (see below): the gather, the uint8-to-float division, the losses, the backward's pointwise
+    #   ops, clipping and Adam fuse into a few C++ kernels around oneDNN's convolutions, which
+    #   are most of what is left. Compiled on every device;
+    # - policy: 2.8 ms eager, 2.9 ms compiled for the 8 frames of one step (the same oneDNN
     #   convolutions, plus guards), so it is compiled on CUDA only, where launches dominate;
     # - gae: a sequential loop of num_steps steps; compiling it would unroll it, so it stays eager.
     if args.compile:
-        update = torch.compile(update)
+        update = torch.compile(update, fullgraph=True)
         if device.type == "cuda":
             policy = torch.compile(policy)
     if cudagraphs:
@@ -439,7 +456,7 @@ def main(args: Args):
 
     # oneDNN's convolutions are faster channels-last on a CPU (inductor picks that layout itself
     # when compiling), so the update's frames are transposed once per rollout, not in every
-    # minibatch: eager 600 -> 440 ms per minibatch; compiled, 61 -> 34 ms of fused kernels.
+    # minibatch: 235 -> 163 ms per minibatch eager, 181 -> 125 ms compiled.
     frame_format = torch.channels_last if device.type == "cpu" else torch.contiguous_format
 
     wandb = None
@@ -450,6 +467,7 @@ def main(args: Args):
 
     checkpoint_path = f"runs/{run_name}/{args.exp_name}.pt"
     recent_returns = deque(maxlen=10)
+    curve = []  # (env steps, seconds, mean return) at each log point, for the benchmark's plots
     global_step, updates, iteration = 0, 0, 0
     start_time = time.perf_counter()
     warmup_s, warm_step, warm_time = None, 0, start_time
@@ -465,7 +483,7 @@ def main(args: Args):
         for iteration in range(1, num_iterations + 1):
             if args.anneal_lr:
                 frac = 1.0 - (iteration - 1.0) / num_iterations
-                optimizer.param_groups[0]["lr"].copy_(frac * args.learning_rate)
+                lr.copy_(frac * args.learning_rate)
 
             obs_list, done_list, act_list, logprob_list, value_list, reward_list = [], [], [], [], [], []
             with torch.no_grad():
@@ -538,13 +556,15 @@ def main(args: Args):
             mean_return = float(np.mean(recent_returns)) if recent_returns else float("nan")
             pbar.update(batch_size)
             pbar.set_description(f"sps={sps:6.0f} return={mean_return:8.2f}")
+            if recent_returns:
+                curve.append((global_step, round(time.perf_counter() - start_time, 3), round(mean_return, 3)))
             if wandb is not None:
                 keep = flat[-1].bool()
                 y_pred, y_true = flat[5][keep], flat[4][keep]
                 var_y = y_true.var()
                 explained_var = (1 - (y_true - y_pred).var() / var_y).item() if var_y > 0 else float("nan")
                 log = {f"losses/{k}": v for k, v in stats.items() if k not in ("grad_norm", "loss")}
-                log.update({"charts/learning_rate": optimizer.param_groups[0]["lr"].item(), "losses/explained_variance": explained_var, "charts/SPS": sps})
+                log.update({"charts/learning_rate": lr.item(), "losses/explained_variance": explained_var, "charts/SPS": sps})
                 if recent_returns:
                     log["charts/episodic_return"] = mean_return
                 wandb.log(log, step=global_step)
@@ -582,6 +602,7 @@ def main(args: Args):
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "interrupted": interrupted,
         "checkpoint": saved,
+        "curve": curve[:: max(1, len(curve) // 200)],
     }
     if wandb is not None:
         wandb.finish()
@@ -590,5 +611,20 @@ def main(args: Args):
         fail(stop_reason)
 
 
+def parse_args() -> Args:
+    """tyro's command line, where a boolean is a flag (`--compile`, `--no-cuda`), also taking
+    the spelling `--cuda false` or `--cuda=False`."""
+    flags = {"--" + name.replace("_", "-") for name, kind in Args.__annotations__.items() if kind is bool}
+    argv = []
+    for arg in sys.argv[1:]:
+        flag, eq, value = arg.partition("=")
+        if not eq and argv and argv[-1] in flags and arg.lower() in ("true", "false"):
+            flag, value = argv.pop(), arg
+        if flag in flags and value.lower() in ("true", "false"):
+            arg = flag if value.lower() == "true" else "--no-" + flag[2:]
+        argv.append(arg)
+    return tyro.cli(Args, args=argv)
+
+
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(parse_args())

@@ -1,6 +1,7 @@
-"""PPO on Atari (envpool): the compiled update against the eager one, the masking of envpool's
-reset steps, GAE against CleanRL's loop, the sampling of the lean policy, the whole-game
-returns over lives, and the bad-input lines. No learning test: Breakout needs hours here (the
+"""PPO on Atari (envpool): the compiled update against the eager one and against the plain
+script's loss with torch's clipping and Adam, the masking of envpool's reset steps, GAE
+against CleanRL's loop, the sampling of the lean policy, the whole-game returns over lives,
+and the bad-input lines. No learning test: Breakout needs hours here (the
 curve seen is in docs/ppo_atari_envpool.md)."""
 
 import copy
@@ -39,35 +40,86 @@ def make_batch(n, n_act=4, seed=0):
     )
 
 
-def agent_and_optimizer(module, source=None):
+def agent_and_update(module, args, source=None):
+    """An agent (a copy of `source`'s parameters if given) and its own eager update."""
     agent = module.Agent(4)
     if source is not None:
         agent.load_state_dict(source.state_dict())
-    optimizer = torch.optim.Adam(agent.parameters(), lr=torch.tensor(2.5e-4), eps=1e-5)
-    return agent, optimizer
+    return agent, module.make_update(agent, torch.tensor(args.learning_rate), args)
+
+
+def assert_same_parameters(agent_a, agent_b, **tolerance):
+    for (name, a), (_, b) in zip(agent_a.named_parameters(), agent_b.named_parameters()):
+        torch.testing.assert_close(b, a, msg=name, **tolerance)
 
 
 def test_compiled_update_matches_eager(lean):
-    """Same parameters, same batch, same minibatches: torch.compile (with the channels-last
-    frames the script stores on a CPU) agrees with eager NCHW to float32 round-off. Tolerance:
-    metrics rtol 1e-4 / atol 1e-5; parameters after two Adam steps atol 1e-6 (an Adam step
-    moves each weight by up to lr = 2.5e-4, so a wrong update shows far above this)."""
+    """Same parameters, same batch, same minibatches: the compiled step (fullgraph, on the
+    channels-last frames the script stores on a CPU) agrees with the eager step on NCHW frames
+    to float32 round-off. Tolerance: metrics rtol 1e-4 / atol 1e-5; parameters after two Adam
+    steps atol 1e-6 (an Adam step moves each weight by up to lr = 2.5e-4, so a wrong update
+    shows far above this)."""
     torch.manual_seed(0)
     args = lean.Args()
     batch = make_batch(64)
-    eager_agent, eager_opt = agent_and_optimizer(lean)
-    compiled_agent, compiled_opt = agent_and_optimizer(lean, eager_agent)
+    eager_agent, eager = agent_and_update(lean, args)
+    compiled_agent, compiled = agent_and_update(lean, args, eager_agent)
+    compiled = torch.compile(compiled, fullgraph=True)
     initial = copy.deepcopy(eager_agent.state_dict())
-    eager = lean.make_update(eager_agent, eager_opt, args)
-    compiled = torch.compile(lean.make_update(compiled_agent, compiled_opt, args))
     batch_cl = (batch[0].contiguous(memory_format=torch.channels_last),) + batch[1:]
     for idx in torch.randperm(64).split(32):
-        expected = eager(*batch, idx)
-        got = compiled(*batch_cl, idx)
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
-    for (name, p), q in zip(eager_agent.named_parameters(), compiled_agent.parameters()):
+        torch.testing.assert_close(compiled(*batch_cl, idx), eager(*batch, idx), rtol=1e-4, atol=1e-5)
+    assert_same_parameters(eager_agent, compiled_agent, rtol=1e-4, atol=1e-6)
+    for name, p in eager_agent.named_parameters():
         assert not torch.equal(p, initial[name]), name
-        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def reference_loss(agent, args, minibatch):
+    """The plain script's loss: torch.distributions.Categorical, and every mean over the steps
+    that are not reset steps (valid 1)."""
+    obs, actions, logprobs, advantages, returns, values, valid = minibatch
+    n = valid.sum()
+    _, newlogprob, entropy, newvalue = agent_plain_forward(agent, obs, actions)
+    ratio = (newlogprob - logprobs).exp()
+    mean = (advantages * valid).sum() / n
+    std = (((advantages - mean) ** 2 * valid).sum() / (n - 1)).sqrt()
+    advantages = (advantages - mean) / (std + 1e-8)
+    pg = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef))
+    v_clipped = values + (newvalue - values).clamp(-args.clip_coef, args.clip_coef)
+    v = 0.5 * torch.max((newvalue - returns) ** 2, (v_clipped - returns) ** 2)
+    loss = pg - args.ent_coef * entropy + args.vf_coef * v
+    return (loss * valid).sum() / n
+
+
+def agent_plain_forward(agent, obs, actions):
+    hidden = agent.network(obs / 255.0)
+    probs = torch.distributions.Categorical(logits=agent.actor(hidden))
+    return actions, probs.log_prob(actions), probs.entropy(), agent.critic(hidden).view(-1)
+
+
+def test_update_is_the_plain_loss_then_clip_grad_norm_then_adam(lean):
+    """The lean step is the plain script's: its masked loss with Categorical, `loss.backward()`,
+    `nn.utils.clip_grad_norm_` and `optim.Adam(eps=1e-5)` give the same parameters. A small
+    max_grad_norm makes the clipping bite. Tolerance rtol 1e-4 (the two compute log-softmax and
+    entropy with different float32 ops: the gradient norms differ by ~7e-6 relative), atol 1e-6
+    on parameters that each Adam step moves by up to 2.5e-4."""
+    torch.manual_seed(0)
+    args = lean.Args(max_grad_norm=0.05)
+    agent, update = agent_and_update(lean, args)
+    reference = copy.deepcopy(agent)
+    optimizer = torch.optim.Adam(reference.parameters(), lr=args.learning_rate, eps=1e-5)
+    batch = make_batch(64, seed=2)
+    for idx in torch.randperm(64).split(32):
+        stats = update(*batch, idx)
+        loss = reference_loss(reference, args, [t[idx] for t in batch])
+        optimizer.zero_grad()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), args.max_grad_norm)
+        optimizer.step()
+        torch.testing.assert_close(stats[lean.METRICS.index("grad_norm")], norm, rtol=1e-4, atol=0)
+        torch.testing.assert_close(stats[lean.METRICS.index("loss")], loss.detach(), rtol=1e-4, atol=1e-6)
+    assert norm > args.max_grad_norm
+    assert_same_parameters(reference, agent, rtol=1e-4, atol=1e-6)
 
 
 def test_reset_steps_are_left_out_of_the_update(lean):
@@ -75,15 +127,15 @@ def test_reset_steps_are_left_out_of_the_update(lean):
     the same minibatch with those steps dropped; and what a reset step holds changes nothing."""
     torch.manual_seed(0)
     args = lean.Args()
-    init, _ = agent_and_optimizer(lean)
+    init = lean.Agent(4)
     batch = make_batch(32, seed=1)
     valid = batch[-1].bool()
     assert 0 < valid.sum() < 32
     idx = torch.arange(32)
 
     def step(batch, idx):
-        agent, optimizer = agent_and_optimizer(lean, init)
-        return lean.make_update(agent, optimizer, args)(*batch, idx), agent
+        agent, update = agent_and_update(lean, args, init)
+        return update(*batch, idx), agent
 
     masked, masked_agent = step(batch, idx)
     dropped, dropped_agent = step(batch[:-1] + (torch.ones(32),), idx[valid])
@@ -93,8 +145,7 @@ def test_reset_steps_are_left_out_of_the_update(lean):
     changed, changed_agent = step(tuple(garbage), idx)
     for metrics, agent in ((dropped, dropped_agent), (changed, changed_agent)):
         torch.testing.assert_close(metrics, masked, rtol=1e-4, atol=1e-6)
-        for p, q in zip(masked_agent.parameters(), agent.parameters()):
-            torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
+        assert_same_parameters(masked_agent, agent, rtol=1e-4, atol=1e-6)
 
 
 def cleanrl_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda):
