@@ -28,6 +28,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "leanrl"
+# Every run, plain or lean, uses one intra-op thread. On 2 cores the networks here are too small
+# for a second thread to pay, and when anything else runs, OpenMP's spinning threads stall:
+# a 0.7 ms PPO minibatch step took 46 ms with two threads beside one busy process.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 MODES = {
     "eager": [],
     "compile": ["--compile"],
@@ -44,7 +48,7 @@ FAMILIES = {
         "num_envs": 1,
         "args": ["--num-steps", "2048"],
         # 11 iterations of 2048: the first is warm-up, 20,480 steps after it.
-        "budget": {"full": 22528, "quick": 8192, "tiny": 256},
+        "budget": {"full": 22528, "quick": 22528, "tiny": 256},
         "tiny_args": ["--env-id", "InvertedPendulum-v5", "--num-steps", "64", "--num-minibatches", "2", "--update-epochs", "2"],
         "off_policy": False,
     },
@@ -69,7 +73,7 @@ FAMILIES = {
         "env_id": "CartPole-v1",
         "num_envs": 1,
         "args": ["--learning-starts", "1000"],
-        "budget": {"full": 20000, "quick": 8000, "tiny": 300},
+        "budget": {"full": 20000, "quick": 20000, "tiny": 300},
         "tiny_args": ["--learning-starts", "100", "--batch-size", "32"],
         "off_policy": True,
     },
@@ -127,7 +131,7 @@ def plan(families, seeds, profile, cuda):
 def run_one(script, argv, log_dir, timeout):
     """Run one script; return its summary dict (None if it failed) and the log path."""
     log = log_dir / f"{script.stem}__{'_'.join(a.strip('-') for a in argv[-3:])}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
+    env = {**os.environ, **ONE_THREAD, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
     with open(log, "w") as err:
         try:
             proc = subprocess.run([sys.executable, str(script), *argv], stdout=subprocess.PIPE, stderr=err, text=True, env=env, timeout=timeout, cwd=log_dir)
@@ -208,7 +212,8 @@ def arithmetic_ceiling(family, work_dir, seconds=5.0):
     learning_starts, train_steps = 256, 300
     out = work_dir / f"matmuls_{family}.json"
     argv = ["--env-id", cfg["env_id"], "--learning-starts", str(learning_starts), "--total-timesteps", str(learning_starts + train_steps)]
-    subprocess.run([sys.executable, "-c", RECORD_MATMULS, str(out), str(SCRIPTS / f"{family}.py"), *argv], check=True, cwd=work_dir, capture_output=True, env={**os.environ, "WANDB_MODE": "disabled"})
+    subprocess.run([sys.executable, "-c", RECORD_MATMULS, str(out), str(SCRIPTS / f"{family}.py"), *argv], check=True, cwd=work_dir, capture_output=True, env={**os.environ, **ONE_THREAD, "WANDB_MODE": "disabled"})
+    torch.set_num_threads(1)  # as the runs it is compared with
     mats = []
     for name, shapes, transposed in json.loads(out.read_text())["matmuls"]:
         pair = []

