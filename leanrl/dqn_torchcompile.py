@@ -410,7 +410,7 @@ def main(args: Args):
     # On CUDA, Adam's step counts live on the device (capturable), so the update never syncs.
     update = make_update(q_network, target_network, rb.storage, args, capturable=device.type == "cuda")
     # What --compile compiles, measured on a 2-core CPU with torch 2.13, one thread, batch 128
-    # (see docs/dqn.md):
+    # (see README, DQN):
     # - update: 1.5 ms eager, 0.38 ms compiled (gather, both forwards, backward and Adam become
     #   one graph: 11 matmuls and 9 fused C++ kernels), 0.33 ms with inductor's C++ wrapper,
     #   which drops the Python glue between kernels; compiled on every device, the C++ wrapper

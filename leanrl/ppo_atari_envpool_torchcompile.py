@@ -438,7 +438,7 @@ def main(args: Args):
     gae = make_gae(args.gamma, args.gae_lambda)
     update = make_update(agent, lr, args)
     # What --compile compiles, measured on this 2-core CPU with torch 2.13, one thread, medians
-    # (see docs/ppo_atari_envpool.md):
+    # (see README, PPO on Atari):
     # - update: 163 ms eager, 125 ms compiled per minibatch of 256, both on channels-last frames
     #   (see below): the gather, the uint8-to-float division, the losses, the backward's pointwise
     #   ops, clipping and Adam fuse into a few C++ kernels around oneDNN's convolutions, which

@@ -458,7 +458,7 @@ def main(args: Args):
 
     # What --compile compiles, measured on the 2-core CPU this was written on (torch 2.13, one
     # thread, CPU time, median of 3, a machine shared with other jobs: see
-    # docs/td3_continuous_action.md):
+    # README, TD3 section):
     # - the updates: 7.9 ms eager, 10.4 ms compiled per update (batch 256). The matmuls run in
     #   the same BLAS calls either way, and inductor's CPU kernels that store the ReLU masks as
     #   bool (which the backward reads) run about 10x slower than eager here (a 2x256x256 mask:

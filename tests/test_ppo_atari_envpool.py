@@ -2,7 +2,7 @@
 script's loss with torch's clipping and Adam, the masking of envpool's reset steps, GAE
 against CleanRL's loop, the sampling of the lean policy, the whole-game returns over lives,
 and the bad-input lines. No learning test: Breakout needs hours here (the
-curve seen is in docs/ppo_atari_envpool.md)."""
+curve seen is in the README)."""
 
 import copy
 import subprocess
