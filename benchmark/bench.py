@@ -210,7 +210,7 @@ def arithmetic_ceiling(family, work_dir, seconds=5.0):
     # The acting forwards of the first `learning_starts` steps are recorded too: single-row
     # matmuls, well under 1% of the replay time.
     learning_starts, train_steps = 256, 300
-    out = work_dir / f"matmuls_{family}.json"
+    out = (work_dir / f"matmuls_{family}.json").resolve()
     argv = ["--env-id", cfg["env_id"], "--learning-starts", str(learning_starts), "--total-timesteps", str(learning_starts + train_steps)]
     subprocess.run([sys.executable, "-c", RECORD_MATMULS, str(out), str(SCRIPTS / f"{family}.py"), *argv], check=True, cwd=work_dir, capture_output=True, env={**os.environ, **ONE_THREAD, "WANDB_MODE": "disabled"})
     torch.set_num_threads(1)  # as the runs it is compared with
@@ -345,12 +345,13 @@ def main(argv=None):
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: bench_results/<profile>-<time>)")
     parser.add_argument("--no-ceilings", action="store_true", help="skip the env and arithmetic ceilings")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds before one run is abandoned")
+    parser.add_argument("--results", type=Path, default=None, help="reuse the runs of an earlier results.jsonl: only ceilings, table and plots are made")
     args = parser.parse_args(argv)
 
     import torch
 
     seeds = args.seeds or ([1, 2, 3] if args.profile == "full" else [1, 2] if args.profile == "quick" else [1])
-    out = args.out or ROOT / "bench_results" / f"{args.profile}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = (args.out or ROOT / "bench_results" / f"{args.profile}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(exist_ok=True)
     if args.steps:
@@ -362,8 +363,11 @@ def main(argv=None):
         print(f"n/a: {script.name} {mode} needs CUDA; reported as not applicable", flush=True)
 
     results, start = [], time.perf_counter()
-    with open(out / "results.jsonl", "w") as sink:
-        for i, (fam, script, mode, seed, run_argv) in enumerate(runs, 1):
+    if args.results:
+        results = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]
+        runs = [r for r in runs if any(x["family"] == r[0] for x in results)][: len(results)]
+    with open(out / "results.jsonl", "a" if args.results and args.results.resolve() == (out / "results.jsonl") else "w") as sink:
+        for i, (fam, script, mode, seed, run_argv) in enumerate([] if args.results else runs, 1):
             elapsed = time.perf_counter() - start
             eta = f", about {fmt_duration(elapsed / (i - 1) * (len(runs) - i + 1))} left" if i > 1 else ""
             print(f"[{i}/{len(runs)}] {script.name} {mode} seed {seed} (elapsed {fmt_duration(elapsed)}{eta})", flush=True)
@@ -384,7 +388,10 @@ def main(argv=None):
             print(f"ceiling: {fam} ({cfg['env_id']})", flush=True)
             ceilings[fam] = {"env_sps": env_ceiling(cfg["env_id"], cfg["num_envs"], envpool_env=fam == "ppo_atari_envpool")}
             if cfg["off_policy"]:
-                ceilings[fam]["arith"] = arithmetic_ceiling(fam, out / "logs")
+                try:
+                    ceilings[fam]["arith"] = arithmetic_ceiling(fam, out / "logs")
+                except subprocess.CalledProcessError as e:
+                    print(f"  arithmetic ceiling failed: {e.stderr.strip().splitlines()[-1] if e.stderr else e}", flush=True)
     (out / "ceilings.json").write_text(json.dumps({"machine": info, "ceilings": ceilings}, indent=1))
 
     table = summarize(results, skipped, ceilings, info)
