@@ -307,7 +307,8 @@ def plot(results, out_dir):
         meds = [statistics.median([r["sps"] for r in cells[m]]) for m in modes]
         lows = [m - min(r["sps"] for r in cells[k]) for m, k in zip(meds, modes)]
         highs = [max(r["sps"] for r in cells[k]) - m for m, k in zip(meds, modes)]
-        axes[0].bar(modes, meds, yerr=[lows, highs], capsize=4, color=["grey"] + ["C0", "C1", "C2", "C3"][: len(modes) - 1])
+        colors = ["grey" if mode == "plain" else f"C{i}" for i, mode in enumerate(modes)]
+        axes[0].bar(modes, meds, yerr=[lows, highs], capsize=4, color=colors)
         axes[0].set_ylabel("steps per second (median, min-max)")
         axes[0].set_title(f"{fam}: speed")
         axes[0].tick_params(axis="x", rotation=20)
@@ -318,8 +319,8 @@ def plot(results, out_dir):
                     continue
                 steps, secs, rets = zip(*curve)
                 label = mode if j == 0 else None
-                axes[1].plot(secs, rets, color=f"C{i}" if mode != "plain" else "grey", alpha=0.8, label=label)
-                axes[2].plot(steps, rets, color=f"C{i}" if mode != "plain" else "grey", alpha=0.8, label=label)
+                axes[1].plot(secs, rets, color=colors[i], alpha=0.8, label=label)
+                axes[2].plot(steps, rets, color=colors[i], alpha=0.8, label=label)
         axes[1].set_xlabel("wall-clock seconds")
         axes[2].set_xlabel("env steps")
         for ax in axes[1:]:
