@@ -32,7 +32,6 @@ import torch.nn as nn
 import torch.optim as optim
 import tqdm
 import tyro
-from gymnasium.utils.save_video import capped_cubic_video_schedule
 from torch.distributions.categorical import Categorical
 
 
@@ -144,13 +143,18 @@ class RecordGameVideo(gym.vector.VectorWrapper):
     costs one extra copy per step only while a game is being recorded."""
 
     def __init__(self, env, video_folder, fps=15):
+        # Imported here: gymnasium's save_video module raises at import without moviepy, which
+        # only --capture-video needs.
+        from gymnasium.utils.save_video import capped_cubic_video_schedule
+
         super().__init__(env)
+        self.schedule = capped_cubic_video_schedule
         self.video_folder, self.fps = video_folder, fps
         os.makedirs(video_folder, exist_ok=True)
         self.game, self.frames = 0, []
 
     def _capture(self):
-        if capped_cubic_video_schedule(self.game):
+        if self.schedule(self.game):
             self.frames.append(self.env.render()[0])
 
     def _write(self):
