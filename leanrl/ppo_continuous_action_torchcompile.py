@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import tqdm
 import tyro
-from tensordict import TensorDict, from_module
+from tensordict import from_module
 from tensordict.nn import CudaGraphModule
 
 

@@ -43,6 +43,19 @@ def run_script(script, *args, cwd, timeout=600, env=None, check=True):
     return summary, proc
 
 
+def run_without(module, script, *args, cwd):
+    """Run a script as if `module` were not installed (its import fails)."""
+    code = (
+        f"import runpy, sys; sys.modules[{module!r}] = None; sys.argv = sys.argv[1:]; "
+        "runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, str(script), *map(str, args)],
+        cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"},
+        capture_output=True, text=True, timeout=600,
+    )
+
+
 def assert_one_line_error(proc, *words):
     """Bad input: non-zero exit, one line on stderr starting with 'error:', no traceback."""
     assert proc.returncode != 0, proc.stdout

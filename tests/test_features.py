@@ -123,14 +123,7 @@ def test_untracked_run_never_imports_wandb(script, workdir):
 @pytest.mark.parametrize("script", ALL, ids=lambda s: s.stem)
 def test_capture_video_without_moviepy_is_one_line(script, workdir):
     """--capture-video without the `video` extra: one line naming it, before any training."""
-    from conftest import assert_one_line_error
+    from conftest import assert_one_line_error, run_without
 
-    code = (
-        "import runpy, sys; sys.modules['moviepy'] = None; sys.argv = sys.argv[1:]; "
-        "runpy.run_path(sys.argv[0], run_name='__main__')"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(script), *TINY[family(script)], "--capture-video"],
-        cwd=workdir, capture_output=True, text=True, timeout=600,
-    )
+    proc = run_without("moviepy", script, *TINY[family(script)], "--capture-video", cwd=workdir)
     assert_one_line_error(proc, "leanrl[video]")

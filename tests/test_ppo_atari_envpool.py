@@ -5,8 +5,6 @@ and the bad-input lines. No learning test: Breakout needs hours here (the
 curve seen is in the README)."""
 
 import copy
-import subprocess
-import sys
 from pathlib import Path
 
 import gymnasium as gym
@@ -14,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY, assert_one_line_error, load_script, run_script, scripts
+from conftest import TINY, assert_one_line_error, load_script, run_script, run_without, scripts
 
 PAIR = scripts("ppo_atari_envpool*.py")
 LEAN = scripts("ppo_atari_envpool_torchcompile.py")[0]
@@ -264,14 +262,7 @@ def test_returns_count_whole_games_over_lives(script):
 
 @pytest.mark.parametrize("script", PAIR, ids=lambda s: s.stem)
 def test_missing_envpool_is_one_line_naming_the_extra(script, workdir):
-    code = (
-        "import runpy, sys; sys.modules['envpool'] = None; sys.argv = sys.argv[1:]; "
-        "runpy.run_path(sys.argv[0], run_name='__main__')"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(script), *TINY["ppo_atari_envpool"]],
-        cwd=workdir, capture_output=True, text=True, timeout=600,
-    )
+    proc = run_without("envpool", script, *TINY["ppo_atari_envpool"], cwd=workdir)
     assert_one_line_error(proc, "envpool", "pip install 'leanrl[atari]'")
 
 

@@ -3,7 +3,6 @@ the Polyak target update, the replay buffer across autoresets, bad input, and le
 
 import math
 
-import gymnasium as gym
 import numpy as np
 import pytest
 import torch
