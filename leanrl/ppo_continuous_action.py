@@ -192,7 +192,9 @@ class Agent(nn.Module):
         action_mean = self.actor_mean(x)
         action_logstd = self.actor_logstd.expand_as(action_mean)
         action_std = torch.exp(action_logstd)
-        probs = Normal(action_mean, action_std)
+        # Unvalidated, so that a diverged update reaches the non-finite-loss check as NaN instead
+        # of raising here.
+        probs = Normal(action_mean, action_std, validate_args=False)
         if action is None:
             action = probs.sample()
         return action, probs.log_prob(action).sum(1), probs.entropy().sum(1), self.critic(x)

@@ -172,3 +172,13 @@ def test_bad_input_is_one_clear_line(script, bad_args, words, workdir):
     args = TINY["ppo_continuous_action"] + bad_args
     _, proc = run_script(script, *args, cwd=workdir, check=False)
     assert_one_line_error(proc, *words)
+
+
+@pytest.mark.parametrize("script", PAIR, ids=lambda s: s.stem)
+def test_non_finite_loss_stops_with_one_line_and_keeps_last_good_weights(script, workdir):
+    """A learning rate of 1e30 blows the first update up: the run stops with one line naming the
+    step, after printing its summary and saving the weights from before that update."""
+    summary, proc = run_script(script, *TINY["ppo_continuous_action"], "--learning-rate", "1e30", "--save-model", cwd=workdir, check=False)
+    assert_one_line_error(proc, "non-finite", "at step")
+    checkpoint = torch.load(workdir / summary["checkpoint"], map_location="cpu", weights_only=False)
+    assert all(torch.isfinite(t).all() for t in checkpoint["model"].values())
