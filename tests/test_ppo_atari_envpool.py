@@ -289,3 +289,14 @@ def test_capture_video_records_env_0(script, workdir):
     videos = list(Path(workdir, "videos").rglob("*.mp4"))
     assert [v.name for v in videos] == ["rl-video-game-0.mp4"], videos
     assert videos[0].stat().st_size > 1000
+
+
+@pytest.mark.parametrize("script", PAIR, ids=lambda s: s.stem)
+def test_non_finite_loss_stops_with_one_line_and_keeps_last_good_weights(script, workdir):
+    """A learning rate of 1e30 blows the first update up: one line naming the step, after the
+    summary and a checkpoint of the weights from before that update."""
+    summary, proc = run_script(script, *TINY["ppo_atari_envpool"], "--learning-rate", "1e30", "--save-model", cwd=workdir, check=False)
+    assert_one_line_error(proc, "non-finite", "at step")
+    checkpoint = torch.load(workdir / summary["checkpoint"], map_location="cpu", weights_only=False)
+    weights = [t for t in checkpoint["model"].values() if t.is_floating_point()]
+    assert weights and all(torch.isfinite(t).all() for t in weights)
