@@ -135,10 +135,13 @@ def test_gae_matches_reference_loop():
 
 @pytest.mark.parametrize("script", PAIR, ids=lambda s: s.stem)
 def test_same_seed_same_summary(script, workdir):
-    timing = {"wall_s", "sps", "warmup_s", "peak_rss_mb"}
+    timing = {"wall_s", "sps", "warmup_s", "peak_rss_mb", "curve"}
     runs = [run_script(script, *TINY["ppo_continuous_action"], cwd=workdir)[0] for _ in range(2)]
     first, second = ({k: v for k, v in run.items() if k not in timing} for run in runs)
     assert first == second
+    # The learning curve too, but for its wall-clock column.
+    assert [(step, ret) for step, _, ret in runs[0]["curve"]] == [(step, ret) for step, _, ret in runs[1]["curve"]]
+    assert runs[0]["curve"]
 
 
 # Budget: 40 iterations of 1024 steps (40,960 env steps), about a minute per script on this
