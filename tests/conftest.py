@@ -78,6 +78,18 @@ def load_script(path):
 
 
 @pytest.fixture
+def inductor_fallback_random():
+    """Compiled code draws its random numbers from the eager stream, so eager and compiled
+    updates can be compared with the same noise. Inductor's own `config.patch`, not
+    monkeypatch: its config module keeps values behind __getattr__, which monkeypatch's undo
+    leaves unreadable for the next test."""
+    import torch._inductor.config
+
+    with torch._inductor.config.patch(fallback_random=True):
+        yield
+
+
+@pytest.fixture
 def workdir(tmp_path):
     """Each run writes runs/ and videos/ under its own temporary folder."""
     return tmp_path

@@ -46,14 +46,13 @@ def all_state(sac):
     return {k: v.detach().clone() for k, v in state.items()}
 
 
-def test_compiled_update_matches_eager(monkeypatch):
+def test_compiled_update_matches_eager(inductor_fallback_random):
     """From the same parameters and the same batch (and, with fallback_random, the same noise),
     a compiled critic step and two compiled actor steps give the eager losses and parameters.
     Tolerance: rtol 1e-4, atol 1e-5 (fusion reorders float32 sums; one Adam step moves a
     parameter by at most lr, so a reordered near-zero gradient stays within atol)."""
     import torch._inductor.config
 
-    monkeypatch.setattr(torch._inductor.config, "fallback_random", True)
     module = load_script(LEAN)
     n_obs, n_act, batch = 3, 1, 32
     rows = random_rows(512, n_obs, n_act, torch.Generator().manual_seed(0))

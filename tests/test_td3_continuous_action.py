@@ -51,7 +51,7 @@ def make_lean(lean, networks, compiled, batch_size=64):
     return learner, update_critic, update_both, lean.make_soft_update(learner.targets, learner.online, args.tau), rb
 
 
-def test_compiled_update_matches_eager(monkeypatch):
+def test_compiled_update_matches_eager(inductor_fallback_random):
     """From the same parameters, the same buffer and the same random stream, four compiled
     update steps (batch sampling, target policy smoothing, twin-critic loss, delayed actor
     loss, Adam, lerp_ targets) agree with four eager ones: the losses and every parameter.
@@ -63,7 +63,6 @@ def test_compiled_update_matches_eager(monkeypatch):
     import torch._dynamo.utils
     import torch._inductor.config
 
-    monkeypatch.setattr(torch._inductor.config, "fallback_random", True)
     lean = load(LEAN)
     torch.manual_seed(0)
     low, high = -np.ones(N_ACT, np.float32), np.ones(N_ACT, np.float32)
