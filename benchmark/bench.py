@@ -234,6 +234,26 @@ def arithmetic_ceiling(family, work_dir, seconds=5.0):
     return {"sps": train_steps * cfg["num_envs"] / per_pass, "gflop_per_step": flops / train_steps / 1e9, "gflops": flops / per_pass / 1e9}
 
 
+def run_all(runs, out, timeout):
+    """Run every planned run in turn with a progress line; append each summary to results.jsonl."""
+    results, start = [], time.perf_counter()
+    with open(out / "results.jsonl", "w") as sink:
+        for i, (fam, script, mode, seed, run_argv) in enumerate(runs, 1):
+            elapsed = time.perf_counter() - start
+            eta = f", about {fmt_duration(elapsed / (i - 1) * (len(runs) - i + 1))} left" if i > 1 else ""
+            print(f"[{i}/{len(runs)}] {script.name} {mode} seed {seed} (elapsed {fmt_duration(elapsed)}{eta})", flush=True)
+            summary, log = run_one(script, run_argv, out / "logs", timeout)
+            if summary is None:
+                print(f"  failed: see {log}", flush=True)
+                continue
+            record = {"family": fam, "mode": mode, **summary}
+            results.append(record)
+            sink.write(json.dumps(record) + "\n")
+            sink.flush()
+            print(f"  {summary['sps']:,.0f} steps/s after warm-up ({summary['warmup_s']:.1f} s), return {summary['episodic_return']}", flush=True)
+    return results
+
+
 def fmt_duration(seconds):
     seconds = int(seconds)
     return f"{seconds // 60}m{seconds % 60:02d}s"
@@ -363,24 +383,11 @@ def main(argv=None):
     for fam, script, mode in skipped:
         print(f"n/a: {script.name} {mode} needs CUDA; reported as not applicable", flush=True)
 
-    results, start = [], time.perf_counter()
+    start = time.perf_counter()
     if args.results:
         results = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]
-        runs = [r for r in runs if any(x["family"] == r[0] for x in results)][: len(results)]
-    with open(out / "results.jsonl", "a" if args.results and args.results.resolve() == (out / "results.jsonl") else "w") as sink:
-        for i, (fam, script, mode, seed, run_argv) in enumerate([] if args.results else runs, 1):
-            elapsed = time.perf_counter() - start
-            eta = f", about {fmt_duration(elapsed / (i - 1) * (len(runs) - i + 1))} left" if i > 1 else ""
-            print(f"[{i}/{len(runs)}] {script.name} {mode} seed {seed} (elapsed {fmt_duration(elapsed)}{eta})", flush=True)
-            summary, log = run_one(script, run_argv, out / "logs", args.timeout)
-            if summary is None:
-                print(f"  failed: see {log}", flush=True)
-                continue
-            record = {"family": fam, "mode": mode, **summary}
-            results.append(record)
-            sink.write(json.dumps(record) + "\n")
-            sink.flush()
-            print(f"  {summary['sps']:,.0f} steps/s after warm-up ({summary['warmup_s']:.1f} s), return {summary['episodic_return']}", flush=True)
+    else:
+        results = run_all(runs, out, args.timeout)
 
     ceilings = {}
     if not args.no_ceilings and args.profile != "tiny":
@@ -401,7 +408,7 @@ def main(argv=None):
     print(table)
     print(f"results: {out / 'results.jsonl'}; table: {out / 'table.md'}; plots: {', '.join(p.name for p in plots)}")
     print(f"done in {fmt_duration(time.perf_counter() - start)}")
-    return 0 if len(results) == len(runs) else 1
+    return 0 if args.results or len(results) == len(runs) else 1
 
 
 if __name__ == "__main__":
