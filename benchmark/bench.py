@@ -40,15 +40,16 @@ MODES = {
 }
 
 # Per family: the env, the hyper-parameters every mode shares, and the budget (total env
-# steps) of each profile. "full" is what the README's table comes from; "quick" finishes the
-# whole benchmark in minutes. "tiny" is for the benchmark's own test.
+# steps) of each profile. "quick" finishes the whole benchmark in minutes (the README's table);
+# "full" measures over longer budgets. "tiny" is for the benchmark's own test.
 FAMILIES = {
     "ppo_continuous_action": {
         "env_id": "HalfCheetah-v5",
         "num_envs": 1,
         "args": ["--num-steps", "2048"],
-        # 11 iterations of 2048: the first is warm-up, 20,480 steps after it.
-        "budget": {"full": 22528, "quick": 22528, "tiny": 256},
+        # Iterations of 2048 steps, the first of them warm-up: full 11 (20,480 steps measured),
+        # quick 7 (12,288 measured).
+        "budget": {"full": 22528, "quick": 14336, "tiny": 256},
         "tiny_args": ["--env-id", "InvertedPendulum-v5", "--num-steps", "64", "--num-minibatches", "2", "--update-epochs", "2"],
         "off_policy": False,
     },
@@ -81,8 +82,9 @@ FAMILIES = {
         "env_id": "Breakout-v5",
         "num_envs": 8,
         "args": [],
-        # 12 iterations of 8 x 128 steps: 11,264 steps after the first (warm-up) iteration.
-        "budget": {"full": 12288, "quick": 5120, "tiny": 64},
+        # Iterations of 8 x 128 steps, the first of them warm-up: full 12 (11,264 steps
+        # measured), quick 4 (3,072 measured).
+        "budget": {"full": 12288, "quick": 4096, "tiny": 64},
         "tiny_args": ["--num-envs", "2", "--num-steps", "16"],
         "off_policy": False,
     },
@@ -126,6 +128,25 @@ def plan(families, seeds, profile, cuda):
                     continue
                 runs.append((fam, lean, mode, seed, [*base, "--seed", str(seed), *flags]))
     return runs, skipped
+
+
+def machine_probe(seconds=0.25):
+    """How fast this machine runs just now: a fixed one-thread workload (a 256x256 matmul and a
+    short Python loop, the two kinds of work in these scripts) in units per second. On a shared
+    host it drifts by tens of percent within seconds; it is timed before every run and the
+    table reports its range, so a reader can tell machine noise from script speed."""
+    import torch
+
+    torch.set_num_threads(1)
+    a = torch.randn(256, 256)
+    units, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.mm(a, a)
+        total = 0
+        for i in range(2000):
+            total += i
+        units += 1
+    return units / (time.perf_counter() - start)
 
 
 def run_one(script, argv, log_dir, timeout):
@@ -242,11 +263,12 @@ def run_all(runs, out, timeout):
             elapsed = time.perf_counter() - start
             eta = f", about {fmt_duration(elapsed / (i - 1) * (len(runs) - i + 1))} left" if i > 1 else ""
             print(f"[{i}/{len(runs)}] {script.name} {mode} seed {seed} (elapsed {fmt_duration(elapsed)}{eta})", flush=True)
+            probe = machine_probe()
             summary, log = run_one(script, run_argv, out / "logs", timeout)
             if summary is None:
                 print(f"  failed: see {log}", flush=True)
                 continue
-            record = {"family": fam, "mode": mode, **summary}
+            record = {"family": fam, "mode": mode, "probe": round(probe, 1), **summary}
             results.append(record)
             sink.write(json.dumps(record) + "\n")
             sink.flush()
@@ -299,6 +321,9 @@ def summarize(results, skipped, ceilings, info):
                 f"{statistics.median(returns):.1f}" if returns else "",
             ]
             rows.append("| " + " | ".join(cols) + " |")
+    probes = [r["probe"] for r in results if r.get("probe")]
+    if probes:
+        rows += ["", f"min-max is over seeds: the noise band of each median. Machine speed, a fixed one-thread workload timed before each run, ranged {min(probes):,.0f}-{max(probes):,.0f} units/s over the {len(probes)} runs ({max(probes) / min(probes):.2f}x)."]
     rows += ["", "Ceilings (steps/s):", ""]
     for fam, ceil in ceilings.items():
         line = f"- {fam}: env alone {ceil['env_sps']:,.0f} ({FAMILIES[fam]['env_id']}, {FAMILIES[fam]['num_envs']} env, random actions)"
@@ -307,6 +332,35 @@ def summarize(results, skipped, ceilings, info):
             line += f"; matmuls alone {a['sps']:,.0f} ({a['gflop_per_step']:.2f} GFLOP per step at {a['gflops']:.0f} GFLOP/s)"
         rows.append(line)
     return "\n".join(rows) + "\n"
+
+
+def compare(first, second):
+    """Check a second benchmark run against a first one, cell by cell (family and mode).
+
+    Each cell's min-max over seeds is the noise band the table reports for its median. A cell
+    repeats when each run's median lies inside the other run's band. Returns the Markdown lines
+    and the number of cells that did not repeat."""
+
+    def cells(results):
+        by_cell = {}
+        for r in results:
+            by_cell.setdefault((r["family"], r["mode"]), []).append(r["sps"])
+        return {k: (statistics.median(v), min(v), max(v)) for k, v in by_cell.items()}
+
+    a, b = cells(first), cells(second)
+    rows = [
+        "| algorithm | mode | run 1: median (min-max) | run 2: median (min-max) | change | medians within the other's band |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    outside = 0
+    for key in [k for k in a if k in b]:
+        (ma, lo_a, hi_a), (mb, lo_b, hi_b) = a[key], b[key]
+        ok = lo_a <= mb <= hi_a and lo_b <= ma <= hi_b
+        outside += not ok
+        cols = [*key, f"{ma:,.0f} ({lo_a:,.0f}-{hi_a:,.0f})", f"{mb:,.0f} ({lo_b:,.0f}-{hi_b:,.0f})", f"{mb / ma - 1:+.1%}", "yes" if ok else "no"]
+        rows.append("| " + " | ".join(cols) + " |")
+    rows += ["", f"{len(rows) - 2 - outside} of {len(rows) - 2} cells repeat within their noise band."]
+    return rows, outside
 
 
 def plot(results, out_dir):
@@ -361,17 +415,24 @@ def main(argv=None):
     parser.add_argument("--profile", choices=["quick", "full", "tiny"], default="full", help="budget per run (see FAMILIES in benchmark/bench.py)")
     parser.add_argument("--quick", action="store_const", const="quick", dest="profile", help="same as --profile quick")
     parser.add_argument("--scripts", nargs="+", default=list(FAMILIES), choices=list(FAMILIES), metavar="FAMILY", help=f"families to run (default: all): {', '.join(FAMILIES)}")
-    parser.add_argument("--seeds", nargs="+", type=int, default=None, help="seeds (default: 1 2 3 for full, 1 2 for quick)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=None, help="seeds (default: 1 2 3; 1 for tiny)")
     parser.add_argument("--steps", type=int, default=None, help="override the total env steps of every run")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: bench_results/<profile>-<time>)")
     parser.add_argument("--no-ceilings", action="store_true", help="skip the env and arithmetic ceilings")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds before one run is abandoned")
     parser.add_argument("--results", type=Path, default=None, help="reuse the runs of an earlier results.jsonl: only ceilings, table and plots are made")
+    parser.add_argument("--compare", type=Path, nargs=2, default=None, metavar="RESULTS", help="check a second run's results.jsonl against a first one's noise bands, and stop")
     args = parser.parse_args(argv)
+
+    if args.compare:
+        first, second = ([json.loads(line) for line in p.read_text().splitlines() if line.strip()] for p in args.compare)
+        rows, outside = compare(first, second)
+        print("\n".join(rows))
+        return 1 if outside else 0
 
     import torch
 
-    seeds = args.seeds or ([1, 2, 3] if args.profile == "full" else [1, 2] if args.profile == "quick" else [1])
+    seeds = args.seeds or ([1] if args.profile == "tiny" else [1, 2, 3])
     out = (args.out or ROOT / "bench_results" / f"{args.profile}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(exist_ok=True)
@@ -391,10 +452,14 @@ def main(argv=None):
 
     ceilings = {}
     if not args.no_ceilings and args.profile != "tiny":
+        env_sps = {}  # families on the same env and number of envs share one measurement
         for fam in args.scripts:
             cfg = FAMILIES[fam]
             print(f"ceiling: {fam} ({cfg['env_id']})", flush=True)
-            ceilings[fam] = {"env_sps": env_ceiling(cfg["env_id"], cfg["num_envs"], envpool_env=fam == "ppo_atari_envpool")}
+            key = (cfg["env_id"], cfg["num_envs"])
+            if key not in env_sps:
+                env_sps[key] = env_ceiling(*key, envpool_env=fam == "ppo_atari_envpool")
+            ceilings[fam] = {"env_sps": env_sps[key]}
             if cfg["off_policy"]:
                 try:
                     ceilings[fam]["arith"] = arithmetic_ceiling(fam, out / "logs")

@@ -24,6 +24,7 @@ def test_tiny_profile_writes_table_and_plot(tmp_path):
     table = (tmp_path / "table.md").read_text()
     for mode in ("| plain |", "| eager |", "| compile |", "| cudagraphs |", "| compile+cudagraphs |"):
         assert mode in table, table
+    assert "Machine speed" in table  # the probe timed before each run
     png = tmp_path / "ppo_continuous_action.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -47,3 +48,17 @@ def test_arithmetic_ceiling_replays_recorded_matmuls(tmp_path):
     ceiling = bench.arithmetic_ceiling("dqn", tmp_path, seconds=0.3)
     assert ceiling["sps"] > 0 and math.isfinite(ceiling["gflops"])
     assert ceiling["gflop_per_step"] > 0
+
+
+def test_compare_flags_a_median_outside_the_other_runs_band():
+    bench = load_bench()
+
+    def run(ppo, dqn):
+        return [{"family": "ppo", "mode": "compile", "sps": s} for s in ppo] + [{"family": "dqn", "mode": "plain", "sps": s} for s in dqn]
+
+    first = run(ppo=[100, 110, 120], dqn=[50, 52, 54])
+    # ppo's median 112 lies in 100-120 and 110 in 105-118; dqn's 60 lies outside 50-54.
+    rows, outside = bench.compare(first, run(ppo=[105, 112, 118], dqn=[58, 60, 61]))
+    assert outside == 1
+    assert [row.split(" | ")[-1] for row in rows[2:4]] == ["yes |", "no |"]
+    assert bench.compare(first, first)[1] == 0
