@@ -114,12 +114,16 @@ def plan(families, seeds, profile, cuda):
     """The list of runs: (family, script, mode, seed, argv). Cudagraphs modes without CUDA are
     returned separately as not applicable."""
     runs, skipped = [], []
-    for fam in families:
-        cfg = FAMILIES[fam]
-        base = ["--total-timesteps", str(cfg["budget"][profile])]
-        base += cfg["tiny_args"] if profile == "tiny" else ["--env-id", cfg["env_id"], *cfg["args"]]
-        plain, lean = SCRIPTS / f"{fam}.py", SCRIPTS / f"{fam}_torchcompile.py"
-        for seed in seeds:
+    # Seeds are the outer loop: on a shared host the machine's speed drifts by tens of percent
+    # over minutes, so the seeds of one cell run minutes apart and its min-max shows that drift
+    # instead of one slow or fast stretch deciding a whole family. A plain run and the lean runs
+    # of the same seed stay next to each other, for the paired speed-up.
+    for seed in seeds:
+        for fam in families:
+            cfg = FAMILIES[fam]
+            base = ["--total-timesteps", str(cfg["budget"][profile])]
+            base += cfg["tiny_args"] if profile == "tiny" else ["--env-id", cfg["env_id"], *cfg["args"]]
+            plain, lean = SCRIPTS / f"{fam}.py", SCRIPTS / f"{fam}_torchcompile.py"
             runs.append((fam, plain, "plain", seed, [*base, "--seed", str(seed)]))
             for mode, flags in MODES.items():
                 if "cudagraphs" in mode and not cuda:
@@ -294,8 +298,7 @@ def summarize(results, skipped, ceilings, info):
     for r in results:
         by_cell.setdefault((r["family"], r["mode"]), []).append(r)
     for fam in dict.fromkeys(r["family"] for r in results):
-        plain = by_cell.get((fam, "plain"), [])
-        plain_sps = statistics.median([r["sps"] for r in plain]) if plain else None
+        plain_sps = {r["seed"]: r["sps"] for r in by_cell.get((fam, "plain"), [])}
         ceil = ceilings.get(fam, {})
         for mode in ["plain", *MODES]:
             if any(s[0] == fam and s[2] == mode for s in skipped):
@@ -306,6 +309,7 @@ def summarize(results, skipped, ceilings, info):
                 continue
             sps = [r["sps"] for r in cell]
             med = statistics.median(sps)
+            paired = [r["sps"] / plain_sps[r["seed"]] for r in cell if r["seed"] in plain_sps]
             returns = [r["episodic_return"] for r in cell if r["episodic_return"] is not None]
             cols = [
                 fam,
@@ -313,7 +317,7 @@ def summarize(results, skipped, ceilings, info):
                 mode,
                 f"{med:,.0f}",
                 f"{min(sps):,.0f}-{max(sps):,.0f}",
-                f"{med / plain_sps:.2f}x" if plain_sps else "",
+                f"{statistics.median(paired):.2f}x" if paired else "",
                 f"{med / ceil['env_sps']:.0%}" if ceil.get("env_sps") else "",
                 f"{med / ceil['arith']['sps']:.0%}" if ceil.get("arith") else "",
                 f"{statistics.median([r['warmup_s'] for r in cell]):.1f}",
@@ -321,15 +325,16 @@ def summarize(results, skipped, ceilings, info):
                 f"{statistics.median(returns):.1f}" if returns else "",
             ]
             rows.append("| " + " | ".join(cols) + " |")
+    rows += ["", "min-max is over seeds: the noise band of each median. vs plain: the median over seeds of each run's steps/s over the plain script's run of the same seed, run just before it."]
     probes = [r["probe"] for r in results if r.get("probe")]
     if probes:
-        rows += ["", f"min-max is over seeds: the noise band of each median. Machine speed, a fixed one-thread workload timed before each run, ranged {min(probes):,.0f}-{max(probes):,.0f} units/s over the {len(probes)} runs ({max(probes) / min(probes):.2f}x)."]
+        rows += ["", f"Machine speed, a fixed one-thread workload timed before each run, ranged {min(probes):,.0f}-{max(probes):,.0f} units/s over the {len(probes)} runs ({max(probes) / min(probes):.2f}x)."]
     rows += ["", "Ceilings (steps/s):", ""]
     for fam, ceil in ceilings.items():
         line = f"- {fam}: env alone {ceil['env_sps']:,.0f} ({FAMILIES[fam]['env_id']}, {FAMILIES[fam]['num_envs']} env, random actions)"
         if ceil.get("arith"):
             a = ceil["arith"]
-            line += f"; matmuls alone {a['sps']:,.0f} ({a['gflop_per_step']:.2f} GFLOP per step at {a['gflops']:.0f} GFLOP/s)"
+            line += f"; matmuls alone {a['sps']:,.0f} ({a['gflop_per_step']:.3g} GFLOP per step at {a['gflops']:.0f} GFLOP/s)"
         rows.append(line)
     return "\n".join(rows) + "\n"
 
@@ -420,7 +425,7 @@ def main(argv=None):
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: bench_results/<profile>-<time>)")
     parser.add_argument("--no-ceilings", action="store_true", help="skip the env and arithmetic ceilings")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds before one run is abandoned")
-    parser.add_argument("--results", type=Path, default=None, help="reuse the runs of an earlier results.jsonl: only ceilings, table and plots are made")
+    parser.add_argument("--results", type=Path, default=None, help="reuse the runs of an earlier results.jsonl (and the ceilings.json beside it, if any): only the table and plots are made")
     parser.add_argument("--compare", type=Path, nargs=2, default=None, metavar="RESULTS", help="check a second run's results.jsonl against a first one's noise bands, and stop")
     args = parser.parse_args(argv)
 
@@ -451,7 +456,12 @@ def main(argv=None):
         results = run_all(runs, out, args.timeout)
 
     ceilings = {}
-    if not args.no_ceilings and args.profile != "tiny":
+    saved = args.results.parent / "ceilings.json" if args.results else None
+    if saved and saved.exists() and not args.no_ceilings:
+        saved = json.loads(saved.read_text())  # measured with those runs, on the same machine
+        ceilings, info = saved["ceilings"], saved["machine"]
+        print(f"ceilings and machine: reused from {args.results.parent / 'ceilings.json'}", flush=True)
+    elif not args.no_ceilings and args.profile != "tiny":
         env_sps = {}  # families on the same env and number of envs share one measurement
         for fam in args.scripts:
             cfg = FAMILIES[fam]

@@ -27,6 +27,10 @@ def test_tiny_profile_writes_table_and_plot(tmp_path):
     assert "Machine speed" in table  # the probe timed before each run
     png = tmp_path / "ppo_continuous_action.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # --results makes the table again from the saved runs, with the machine and command they ran with
+    again = tmp_path / "again"
+    assert bench.main(["--profile", "tiny", "--results", str(tmp_path / "results.jsonl"), "--out", str(again)]) == 0
+    assert (again / "table.md").read_text() == table
 
 
 def test_cudagraphs_modes_are_not_applicable_without_cuda():
