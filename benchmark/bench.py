@@ -437,8 +437,9 @@ def main(argv=None):
 
     import torch
 
-    # Five seeds: the median of five short runs repeats better on a drifting machine than the
-    # median of three longer ones (three gave medians outside each other's min-max in 12 of 15 cells).
+    # Five seeds of short runs: on this project's drifting machine two such benchmarks repeated
+    # (each median inside the other's min-max) in 6 of 15 cells, against 3 of 15 with three
+    # seeds of longer runs (README, "Does it repeat?").
     seeds = args.seeds or ([1] if args.profile == "tiny" else [1, 2, 3, 4, 5])
     out = (args.out or ROOT / "bench_results" / f"{args.profile}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)
