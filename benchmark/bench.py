@@ -285,6 +285,19 @@ def fmt_duration(seconds):
     return f"{seconds // 60}m{seconds % 60:02d}s"
 
 
+def read_results(path):
+    """The records of a results.jsonl, one per run."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def by_cell(results):
+    """The records grouped by cell, (family, mode), in the order they first appear."""
+    cells = {}
+    for r in results:
+        cells.setdefault((r["family"], r["mode"]), []).append(r)
+    return cells
+
+
 def summarize(results, skipped, ceilings, info):
     """The Markdown table: per family and mode, the median over seeds and its min-max."""
     rows = [
@@ -294,17 +307,15 @@ def summarize(results, skipped, ceilings, info):
         "| algorithm | script | mode | steps/s (median) | min-max | vs plain | of env ceiling | of arithmetic ceiling | warm-up s | peak RSS MB | return (median) |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    by_cell = {}
-    for r in results:
-        by_cell.setdefault((r["family"], r["mode"]), []).append(r)
+    cells = by_cell(results)
     for fam in dict.fromkeys(r["family"] for r in results):
-        plain_sps = {r["seed"]: r["sps"] for r in by_cell.get((fam, "plain"), [])}
+        plain_sps = {r["seed"]: r["sps"] for r in cells.get((fam, "plain"), [])}
         ceil = ceilings.get(fam, {})
         for mode in ["plain", *MODES]:
             if any(s[0] == fam and s[2] == mode for s in skipped):
                 rows.append(f"| {fam} | {fam}_torchcompile.py | {mode} | n/a (needs CUDA) | | | | | | | |")
                 continue
-            cell = by_cell.get((fam, mode))
+            cell = cells.get((fam, mode))
             if not cell:
                 continue
             sps = [r["sps"] for r in cell]
@@ -346,13 +357,11 @@ def compare(first, second):
     repeats when each run's median lies inside the other run's band. Returns the Markdown lines
     and the number of cells that did not repeat."""
 
-    def cells(results):
-        by_cell = {}
-        for r in results:
-            by_cell.setdefault((r["family"], r["mode"]), []).append(r["sps"])
-        return {k: (statistics.median(v), min(v), max(v)) for k, v in by_cell.items()}
+    def bands(results):
+        sps = {key: [r["sps"] for r in cell] for key, cell in by_cell(results).items()}
+        return {key: (statistics.median(v), min(v), max(v)) for key, v in sps.items()}
 
-    a, b = cells(first), cells(second)
+    a, b = bands(first), bands(second)
     rows = [
         "| algorithm | mode | run 1: median (min-max) | run 2: median (min-max) | change | medians within the other's band |",
         "|---|---|---:|---:|---:|---|",
@@ -376,11 +385,9 @@ def plot(results, out_dir):
     import matplotlib.pyplot as plt
 
     paths = []
+    grouped = by_cell(results)
     for fam in dict.fromkeys(r["family"] for r in results):
-        cells = {}
-        for r in results:
-            if r["family"] == fam:
-                cells.setdefault(r["mode"], []).append(r)
+        cells = {mode: cell for (f, mode), cell in grouped.items() if f == fam}
         fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
         modes = list(cells)
         meds = [statistics.median([r["sps"] for r in cells[m]]) for m in modes]
@@ -430,8 +437,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     if args.compare:
-        first, second = ([json.loads(line) for line in p.read_text().splitlines() if line.strip()] for p in args.compare)
-        rows, outside = compare(first, second)
+        rows, outside = compare(*map(read_results, args.compare))
         print("\n".join(rows))
         return 1 if outside else 0
 
@@ -454,16 +460,16 @@ def main(argv=None):
 
     start = time.perf_counter()
     if args.results:
-        results = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]
+        results = read_results(args.results)
     else:
         results = run_all(runs, out, args.timeout)
 
     ceilings = {}
     saved = args.results.parent / "ceilings.json" if args.results else None
     if saved and saved.exists() and not args.no_ceilings:
-        saved = json.loads(saved.read_text())  # measured with those runs, on the same machine
-        ceilings, info = saved["ceilings"], saved["machine"]
-        print(f"ceilings and machine: reused from {args.results.parent / 'ceilings.json'}", flush=True)
+        reused = json.loads(saved.read_text())  # measured with those runs, on the same machine
+        ceilings, info = reused["ceilings"], reused["machine"]
+        print(f"ceilings and machine: reused from {saved}", flush=True)
     elif not args.no_ceilings and args.profile != "tiny":
         env_sps = {}  # families on the same env and number of envs share one measurement
         for fam in args.scripts:
