@@ -17,12 +17,14 @@ Usage: see `./run.sh --help`.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -134,42 +136,121 @@ def plan(families, seeds, profile, cuda):
     return runs, skipped
 
 
-def machine_probe(seconds=0.25):
-    """How fast this machine runs just now: a fixed one-thread workload (a 256x256 matmul and a
-    short Python loop, the two kinds of work in these scripts) in units per second. On a shared
-    host it drifts by tens of percent within seconds; it is timed before every run and the
-    table reports its range, so a reader can tell machine noise from script speed."""
-    import torch
-
-    torch.set_num_threads(1)
-    a = torch.randn(256, 256)
-    units, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
+# The host this benchmark was built on changes the speed of each core by up to 2x over minutes
+# (one core's matmul loop ran at 2,300 and then 3,100 units/s two minutes apart), and the two
+# cores drift independently. A probe on the same core as the run tracks it (correlation 0.98
+# over 2 s windows); a probe on the other core does not (correlation near 0). So every run and
+# every ceiling runs pinned to one core, a small probe shares that core, and each speed is also
+# given at a fixed reference core speed: steps/s x REFERENCE_CORE_SPEED / the probe's mean
+# during the run's measured window. Repeated runs of DQN and TD3 varied by 13% and 17% in raw
+# steps/s, and by 5% and 4% at the reference speed.
+REFERENCE_CORE_SPEED = 350.0  # probe units per CPU-second: about this host's median
+PROBE_PERIOD_S = 0.25  # about 5 ms of probe work every 0.25 s: 2% of the core, for every mode alike
+PROBE = r"""
+import sys, time, torch
+torch.set_num_threads(1)
+a, s = torch.randn(256, 256), torch.randn(64)
+def matmuls():
+    for _ in range(10):
         torch.mm(a, a)
-        total = 0
-        for i in range(2000):
-            total += i
-        units += 1
-    return units / (time.perf_counter() - start)
+def small_ops():  # the dispatcher-bound work of small networks
+    for _ in range(300):
+        s.add(1.0).mul_(0.5)
+def rate(work):
+    # per CPU-second of this thread, so sharing the core with the run does not lower it
+    start = time.thread_time()
+    work()
+    return 1.0 / (time.thread_time() - start)
+for _ in range(3):
+    matmuls(), small_ops()
+while True:
+    # matmul-bound (SAC, TD3) and dispatcher-bound (DQN) scripts slow down with a host by
+    # different amounts; the geometric mean of the two tracks both
+    print(f"{time.monotonic():.3f} {(rate(matmuls) * rate(small_ops)) ** 0.5:.2f}", flush=True)
+    time.sleep(float(sys.argv[1]))
+"""
 
 
-def run_one(script, argv, log_dir, timeout):
-    """Run one script; return its summary dict (None if it failed) and the log path."""
+@contextlib.contextmanager
+def pinned(core):
+    """Pin the calling thread to one core (processes and threads it starts inherit it)."""
+    if core is None or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {core})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+class CoreProbe:
+    """The probe process on `core`, sampled in the background: `speed(start, end)` is its mean
+    over a window of time.monotonic() seconds (None without a reading in or near it)."""
+
+    def __init__(self, core):
+        with pinned(core):
+            self.proc = subprocess.Popen([sys.executable, "-c", PROBE, str(PROBE_PERIOD_S)], stdout=subprocess.PIPE, text=True, env={**os.environ, **ONE_THREAD})
+        self.samples = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            t, speed = map(float, line.split())
+            self.samples.append((t, speed))
+
+    def speed(self, start, end):
+        samples = list(self.samples)
+        inside = [v for t, v in samples if start <= t <= end]
+        if inside:
+            return statistics.mean(inside)
+        # a window shorter than the probe's period: the reading nearest to it, if close
+        middle = (start + end) / 2
+        near = [(abs(t - middle), v) for t, v in samples if abs(t - middle) < 2 * PROBE_PERIOD_S]
+        return min(near)[1] if near else None
+
+    def close(self):
+        self.proc.kill()
+        self.proc.wait()
+
+
+def at_reference(sps, core_speed):
+    """Steps per second at REFERENCE_CORE_SPEED, or None without a probe reading."""
+    return sps * REFERENCE_CORE_SPEED / core_speed if core_speed else None
+
+
+def with_reference(ceiling, probe):
+    """A ceiling's measurement with its core speed and steps/s at the reference speed, in place
+    of the window it was timed over."""
+    core_speed = probe.speed(*ceiling.pop("window"))
+    return {**ceiling, "core_speed": core_speed and round(core_speed, 2), "sps_ref": at_reference(ceiling["sps"], core_speed)}
+
+
+def run_one(script, argv, log_dir, timeout, core):
+    """Run one script pinned to `core`; return its summary dict (None if it failed), the log
+    path, and the time.monotonic() at which its summary line arrived (the end of its training)."""
     log = log_dir / f"{script.stem}__{'_'.join(a.strip('-') for a in argv[-3:])}.log"
     env = {**os.environ, **ONE_THREAD, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
+    summary, done_at = None, None
     with open(log, "w") as err:
-        try:
-            proc = subprocess.run([sys.executable, str(script), *argv], stdout=subprocess.PIPE, stderr=err, text=True, env=env, timeout=timeout, cwd=log_dir)
-        except subprocess.TimeoutExpired:
-            return None, log
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines or not lines[-1].startswith("{"):
-        return None, log
-    return json.loads(lines[-1]), log
+        with pinned(core):
+            proc = subprocess.Popen([sys.executable, str(script), *argv], stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=log_dir)
+        timer = threading.Timer(timeout, proc.kill)
+        timer.start()
+        for line in proc.stdout:
+            if line.startswith("{"):
+                summary, done_at = line, time.monotonic()
+        proc.wait()
+        timer.cancel()
+    if proc.returncode != 0 or summary is None:
+        return None, log, None
+    return json.loads(summary), log, done_at
 
 
 def env_ceiling(env_id, num_envs, envpool_env=False, seconds=10.0):
-    """Steps per second of the env alone: random actions, no learning, same vector API."""
+    """Steps per second of the env alone: random actions, no learning, same vector API; and the
+    time.monotonic() window it was timed over."""
     import numpy as np
 
     if envpool_env:
@@ -191,13 +272,14 @@ def env_ceiling(env_id, num_envs, envpool_env=False, seconds=10.0):
         step = lambda: envs.step(envs.action_space.sample())  # noqa: E731
     for _ in range(100):
         step()
-    steps, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
+    steps, start = 0, time.monotonic()
+    while time.monotonic() - start < seconds:
         for _ in range(100):
             step()
         steps += 100 * num_envs
+    end = time.monotonic()
     envs.close()
-    return steps / (time.perf_counter() - start)
+    return {"sps": steps / (end - start), "window": [start, end]}
 
 
 RECORD_MATMULS = r"""
@@ -248,18 +330,19 @@ def arithmetic_ceiling(family, work_dir, seconds=5.0):
         mats.append((torch.bmm if len(shapes[0]) == 3 else torch.mm, pair))
     for fn, (a, b) in mats:
         fn(a, b)
-    reps, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
+    reps, start = 0, time.monotonic()
+    while time.monotonic() - start < seconds:
         for fn, (a, b) in mats:
             fn(a, b)
         reps += 1
-    per_pass = (time.perf_counter() - start) / reps
+    end = time.monotonic()
+    per_pass = (end - start) / reps
     flops = sum(2 * a.shape[-2] * a.shape[-1] * b.shape[-1] * (a.shape[0] if a.dim() == 3 else 1) for _, (a, b) in mats)
     # One pass replays every update of the recorded run: `train_steps` env steps' worth.
-    return {"sps": train_steps * cfg["num_envs"] / per_pass, "gflop_per_step": flops / train_steps / 1e9, "gflops": flops / per_pass / 1e9}
+    return {"sps": train_steps * cfg["num_envs"] / per_pass, "gflop_per_step": flops / train_steps / 1e9, "gflops": flops / per_pass / 1e9, "window": [start, end]}
 
 
-def run_all(runs, out, timeout):
+def run_all(runs, out, timeout, probe, core):
     """Run every planned run in turn with a progress line; append each summary to results.jsonl."""
     results, start = [], time.perf_counter()
     with open(out / "results.jsonl", "w") as sink:
@@ -267,16 +350,18 @@ def run_all(runs, out, timeout):
             elapsed = time.perf_counter() - start
             eta = f", about {fmt_duration(elapsed / (i - 1) * (len(runs) - i + 1))} left" if i > 1 else ""
             print(f"[{i}/{len(runs)}] {script.name} {mode} seed {seed} (elapsed {fmt_duration(elapsed)}{eta})", flush=True)
-            probe = machine_probe()
-            summary, log = run_one(script, run_argv, out / "logs", timeout)
+            summary, log, done_at = run_one(script, run_argv, out / "logs", timeout, core)
             if summary is None:
                 print(f"  failed: see {log}", flush=True)
                 continue
-            record = {"family": fam, "mode": mode, "probe": round(probe, 1), **summary}
+            core_speed = probe.speed(done_at - (summary["wall_s"] - summary["warmup_s"]), done_at)
+            sps_ref = at_reference(summary["sps"], core_speed)
+            record = {"family": fam, "mode": mode, "core_speed": core_speed and round(core_speed, 2), "sps_ref": sps_ref and round(sps_ref, 1), **summary}
             results.append(record)
             sink.write(json.dumps(record) + "\n")
             sink.flush()
-            print(f"  {summary['sps']:,.0f} steps/s after warm-up ({summary['warmup_s']:.1f} s), return {summary['episodic_return']}", flush=True)
+            at_ref = f" ({sps_ref:,.0f} at the reference core speed)" if sps_ref else ""
+            print(f"  {summary['sps']:,.0f} steps/s after warm-up{at_ref}, warm-up {summary['warmup_s']:.1f} s, return {summary['episodic_return']}", flush=True)
     return results
 
 
@@ -288,6 +373,12 @@ def fmt_duration(seconds):
 def read_results(path):
     """The records of a results.jsonl, one per run."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def speed(record):
+    """A run's steps per second at the reference core speed; its raw steps per second if it
+    has no probe reading (results from before the probe, or a failed probe)."""
+    return record.get("sps_ref") or record["sps"]
 
 
 def by_cell(results):
@@ -304,23 +395,23 @@ def summarize(results, skipped, ceilings, info):
         f"Machine: {info['cpu']}, {info['cores']} cores, GPU: {info['gpu'] or 'none'}; torch {info['torch']}, Python {info['python']}.",
         f"Command: `{info['command']}` (profile `{info['profile']}`, seeds {info['seeds']}).",
         "",
-        "| algorithm | script | mode | steps/s (median) | min-max | vs plain | of env ceiling | of arithmetic ceiling | warm-up s | peak RSS MB | return (median) |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| algorithm | script | mode | steps/s at reference core speed (median) | min-max | raw steps/s (median) | vs plain | of env ceiling | of arithmetic ceiling | warm-up s | peak RSS MB | return (median) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     cells = by_cell(results)
     for fam in dict.fromkeys(r["family"] for r in results):
-        plain_sps = {r["seed"]: r["sps"] for r in cells.get((fam, "plain"), [])}
+        plain_sps = {r["seed"]: speed(r) for r in cells.get((fam, "plain"), [])}
         ceil = ceilings.get(fam, {})
         for mode in ["plain", *MODES]:
             if any(s[0] == fam and s[2] == mode for s in skipped):
-                rows.append(f"| {fam} | {fam}_torchcompile.py | {mode} | n/a (needs CUDA) | | | | | | | |")
+                rows.append(f"| {fam} | {fam}_torchcompile.py | {mode} | n/a (needs CUDA) | | | | | | | | |")
                 continue
             cell = cells.get((fam, mode))
             if not cell:
                 continue
-            sps = [r["sps"] for r in cell]
+            sps = [speed(r) for r in cell]
             med = statistics.median(sps)
-            paired = [r["sps"] / plain_sps[r["seed"]] for r in cell if r["seed"] in plain_sps]
+            paired = [speed(r) / plain_sps[r["seed"]] for r in cell if r["seed"] in plain_sps]
             returns = [r["episodic_return"] for r in cell if r["episodic_return"] is not None]
             cols = [
                 fam,
@@ -328,24 +419,29 @@ def summarize(results, skipped, ceilings, info):
                 mode,
                 f"{med:,.0f}",
                 f"{min(sps):,.0f}-{max(sps):,.0f}",
+                f"{statistics.median([r['sps'] for r in cell]):,.0f}",
                 f"{statistics.median(paired):.2f}x" if paired else "",
-                f"{med / ceil['env_sps']:.0%}" if ceil.get("env_sps") else "",
-                f"{med / ceil['arith']['sps']:.0%}" if ceil.get("arith") else "",
+                f"{med / speed(ceil['env']):.0%}" if ceil.get("env") else "",
+                f"{med / speed(ceil['arith']):.0%}" if ceil.get("arith") else "",
                 f"{statistics.median([r['warmup_s'] for r in cell]):.1f}",
                 f"{max(r['peak_rss_mb'] for r in cell):,.0f}",
                 f"{statistics.median(returns):.1f}" if returns else "",
             ]
             rows.append("| " + " | ".join(cols) + " |")
-    rows += ["", "min-max is over seeds: the noise band of each median. vs plain: the median over seeds of each run's steps/s over the plain script's run of the same seed, run just before it."]
-    probes = [r["probe"] for r in results if r.get("probe")]
-    if probes:
-        rows += ["", f"Machine speed, a fixed one-thread workload timed before each run, ranged {min(probes):,.0f}-{max(probes):,.0f} units/s over the {len(probes)} runs ({max(probes) / min(probes):.2f}x)."]
-    rows += ["", "Ceilings (steps/s):", ""]
+    rows += [
+        "",
+        f"Each run and each ceiling ran pinned to one core beside a probe that measures that core's speed; steps/s at the reference core speed are raw steps/s x {REFERENCE_CORE_SPEED:g} / the probe's mean over the run's timed window (probe units per CPU-second).",
+        "min-max is over seeds: the noise band of each median. vs plain: the median over seeds of each run's steps/s over the plain script's run of the same seed, run just before it.",
+    ]
+    core_speeds = [r["core_speed"] for r in results if r.get("core_speed")]
+    if core_speeds:
+        rows += ["", f"Core speed during the runs ranged {min(core_speeds):,.0f}-{max(core_speeds):,.0f} probe units/s over {len(core_speeds)} runs ({max(core_speeds) / min(core_speeds):.2f}x)."]
+    rows += ["", "Ceilings (steps/s at the reference core speed):", ""]
     for fam, ceil in ceilings.items():
-        line = f"- {fam}: env alone {ceil['env_sps']:,.0f} ({FAMILIES[fam]['env_id']}, {FAMILIES[fam]['num_envs']} env, random actions)"
+        line = f"- {fam}: env alone {speed(ceil['env']):,.0f} ({FAMILIES[fam]['env_id']}, {FAMILIES[fam]['num_envs']} env, random actions)"
         if ceil.get("arith"):
             a = ceil["arith"]
-            line += f"; matmuls alone {a['sps']:,.0f} ({a['gflop_per_step']:.3g} GFLOP per step at {a['gflops']:.0f} GFLOP/s)"
+            line += f"; matmuls alone {speed(a):,.0f} ({a['gflop_per_step']:.3g} GFLOP per step at {a['gflops']:.0f} GFLOP/s raw)"
         rows.append(line)
     return "\n".join(rows) + "\n"
 
@@ -358,7 +454,7 @@ def compare(first, second):
     and the number of cells that did not repeat."""
 
     def bands(results):
-        sps = {key: [r["sps"] for r in cell] for key, cell in by_cell(results).items()}
+        sps = {key: [speed(r) for r in cell] for key, cell in by_cell(results).items()}
         return {key: (statistics.median(v), min(v), max(v)) for key, v in sps.items()}
 
     a, b = bands(first), bands(second)
@@ -390,12 +486,12 @@ def plot(results, out_dir):
         cells = {mode: cell for (f, mode), cell in grouped.items() if f == fam}
         fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
         modes = list(cells)
-        meds = [statistics.median([r["sps"] for r in cells[m]]) for m in modes]
-        lows = [m - min(r["sps"] for r in cells[k]) for m, k in zip(meds, modes)]
-        highs = [max(r["sps"] for r in cells[k]) - m for m, k in zip(meds, modes)]
+        meds = [statistics.median([speed(r) for r in cells[m]]) for m in modes]
+        lows = [m - min(speed(r) for r in cells[k]) for m, k in zip(meds, modes)]
+        highs = [max(speed(r) for r in cells[k]) - m for m, k in zip(meds, modes)]
         colors = ["grey" if mode == "plain" else f"C{i}" for i, mode in enumerate(modes)]
         axes[0].bar(modes, meds, yerr=[lows, highs], capsize=4, color=colors)
-        axes[0].set_ylabel("steps per second (median, min-max)")
+        axes[0].set_ylabel("steps/s at reference core speed")
         axes[0].set_title(f"{fam}: speed")
         axes[0].tick_params(axis="x", rotation=20)
         for i, mode in enumerate(modes):
@@ -459,31 +555,38 @@ def main(argv=None):
         print(f"n/a: {script.name} {mode} needs CUDA; reported as not applicable", flush=True)
 
     start = time.perf_counter()
-    if args.results:
-        results = read_results(args.results)
-    else:
-        results = run_all(runs, out, args.timeout)
-
-    ceilings = {}
     saved = args.results.parent / "ceilings.json" if args.results else None
-    if saved and saved.exists() and not args.no_ceilings:
-        reused = json.loads(saved.read_text())  # measured with those runs, on the same machine
-        ceilings, info = reused["ceilings"], reused["machine"]
-        print(f"ceilings and machine: reused from {saved}", flush=True)
-    elif not args.no_ceilings and args.profile != "tiny":
-        env_sps = {}  # families on the same env and number of envs share one measurement
-        for fam in args.scripts:
-            cfg = FAMILIES[fam]
-            print(f"ceiling: {fam} ({cfg['env_id']})", flush=True)
-            key = (cfg["env_id"], cfg["num_envs"])
-            if key not in env_sps:
-                env_sps[key] = env_ceiling(*key, envpool_env=fam == "ppo_atari_envpool")
-            ceilings[fam] = {"env_sps": env_sps[key]}
-            if cfg["off_policy"]:
-                try:
-                    ceilings[fam]["arith"] = arithmetic_ceiling(fam, out / "logs")
-                except subprocess.CalledProcessError as e:
-                    print(f"  arithmetic ceiling failed: {e.stderr.strip().splitlines()[-1] if e.stderr else e}", flush=True)
+    reuse_ceilings = saved is not None and saved.exists() and not args.no_ceilings
+    measure_ceilings = not reuse_ceilings and not args.no_ceilings and args.profile != "tiny"
+    # The runs go to the last core this process may use; the harness mostly waits on the others.
+    core = max(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    probe = CoreProbe(core) if not args.results or measure_ceilings else None
+    try:
+        results = read_results(args.results) if args.results else run_all(runs, out, args.timeout, probe, core)
+        ceilings = {}
+        if reuse_ceilings:
+            reused = json.loads(saved.read_text())  # measured with those runs, on the same machine
+            ceilings, info = reused["ceilings"], reused["machine"]
+            print(f"ceilings and machine: reused from {saved}", flush=True)
+        elif measure_ceilings:
+            env_measured = {}  # families on the same env and number of envs share one measurement
+            for fam in args.scripts:
+                cfg = FAMILIES[fam]
+                print(f"ceiling: {fam} ({cfg['env_id']})", flush=True)
+                key = (cfg["env_id"], cfg["num_envs"])
+                if key not in env_measured:
+                    with pinned(core):
+                        env_measured[key] = with_reference(env_ceiling(*key, envpool_env=fam == "ppo_atari_envpool"), probe)
+                ceilings[fam] = {"env": env_measured[key]}
+                if cfg["off_policy"]:
+                    try:
+                        with pinned(core):
+                            ceilings[fam]["arith"] = with_reference(arithmetic_ceiling(fam, out / "logs"), probe)
+                    except subprocess.CalledProcessError as e:
+                        print(f"  arithmetic ceiling failed: {e.stderr.strip().splitlines()[-1] if e.stderr else e}", flush=True)
+    finally:
+        if probe:
+            probe.close()
     (out / "ceilings.json").write_text(json.dumps({"machine": info, "ceilings": ceilings}, indent=1))
 
     table = summarize(results, skipped, ceilings, info)

@@ -2,7 +2,10 @@
 Only their presence and shape are checked, never their numbers."""
 
 import importlib.util
+import json
 import math
+import os
+import time
 
 from conftest import ROOT
 
@@ -24,7 +27,8 @@ def test_tiny_profile_writes_table_and_plot(tmp_path):
     table = (tmp_path / "table.md").read_text()
     for mode in ("| plain |", "| eager |", "| compile |", "| cudagraphs |", "| compile+cudagraphs |"):
         assert mode in table, table
-    assert "Machine speed" in table  # the probe timed before each run
+    assert "Core speed during the runs ranged" in table  # every run had probe readings
+    assert all(json.loads(r)["sps_ref"] > 0 for r in records)
     png = tmp_path / "ppo_continuous_action.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # --results makes the table again from the saved runs, with the machine and command they ran with
@@ -44,7 +48,31 @@ def test_cudagraphs_modes_are_not_applicable_without_cuda():
 
 def test_env_ceiling_steps_the_env():
     bench = load_bench()
-    assert bench.env_ceiling("CartPole-v1", 2, seconds=0.3) > 0
+    ceiling = bench.env_ceiling("CartPole-v1", 2, seconds=0.3)
+    start, end = ceiling["window"]
+    assert ceiling["sps"] > 0 and end - start >= 0.3
+
+
+def test_core_probe_reads_the_speed_of_the_core_it_shares():
+    bench = load_bench()
+    core = max(os.sched_getaffinity(0))
+    probe = bench.CoreProbe(core)
+    try:
+        deadline = time.monotonic() + 60
+        while len(probe.samples) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(probe.samples) >= 3, "the probe printed no readings"
+        first, last = probe.samples[0][0], probe.samples[-1][0]
+        assert probe.speed(first, last) > 0
+        assert probe.speed(last + 0.01, last + 0.02) == probe.samples[-1][1]  # a short window: the nearest reading
+        assert probe.speed(last + 5, last + 6) is None  # no reading in or near that window
+        assert os.sched_getaffinity(probe.proc.pid) == {core}
+    finally:
+        probe.close()
+    # a run at exactly the reference speed keeps its steps/s; on a core twice as fast, half
+    assert bench.at_reference(100.0, bench.REFERENCE_CORE_SPEED) == 100.0
+    assert bench.at_reference(100.0, 2 * bench.REFERENCE_CORE_SPEED) == 50.0
+    assert bench.at_reference(100.0, None) is None
 
 
 def test_arithmetic_ceiling_replays_recorded_matmuls(tmp_path):
