@@ -19,6 +19,7 @@ Usage: see `./run.sh --help`.
 import argparse
 import contextlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -375,6 +376,28 @@ def read_results(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+# Two-sided 99% quantiles of Student's t by degrees of freedom; between keys the smaller key's
+# (larger) value is used, beyond 30 the normal's.
+T_99 = {1: 63.657, 2: 9.925, 3: 5.841, 4: 4.604, 5: 4.032, 6: 3.707, 7: 3.499, 8: 3.355, 9: 3.250, 10: 3.169, 15: 2.947, 20: 2.845, 30: 2.750}
+
+
+def repeat_band(values):
+    """Half-width of the band around a cell's median in which a rerun's median should fall (99%);
+    None for fewer than two runs.
+
+    The min-max over seeds is not such a band: for two runs of five seeds of pure, independent
+    noise, each median lies inside the other's min-max in a given cell 72% of the time, and in
+    all 15 cells of the table 0.6% of the time (simulated). The median of n runs has a standard
+    error of about sqrt(pi/2) * s / sqrt(n) (s: the standard deviation over seeds), the
+    difference of two runs' medians sqrt(2) times that; Student's t at 99% makes the 15 cells
+    hold together about 86% of the time (0.99 ** 15)."""
+    n = len(values)
+    if n < 2:
+        return None
+    t = T_99[max(k for k in T_99 if k <= n - 1)] if n - 1 <= 30 else 2.576
+    return t * math.sqrt(math.pi / 2) * math.sqrt(2 / n) * statistics.stdev(values)
+
+
 def speed(record):
     """A run's steps per second at the reference core speed; its raw steps per second if it
     has no probe reading (results from before the probe, or a failed probe)."""
@@ -395,8 +418,8 @@ def summarize(results, skipped, ceilings, info):
         f"Machine: {info['cpu']}, {info['cores']} cores, GPU: {info['gpu'] or 'none'}; torch {info['torch']}, Python {info['python']}.",
         f"Command: `{info['command']}` (profile `{info['profile']}`, seeds {info['seeds']}).",
         "",
-        "| algorithm | script | mode | steps/s at reference core speed (median) | min-max | raw steps/s (median) | vs plain | of env ceiling | of arithmetic ceiling | warm-up s | peak RSS MB | return (median) |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| algorithm | script | mode | steps/s at reference core speed (median) | repeat band (99%) | min-max | raw steps/s (median) | vs plain | of env ceiling | of arithmetic ceiling | warm-up s | peak RSS MB | return (median) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     cells = by_cell(results)
     for fam in dict.fromkeys(r["family"] for r in results):
@@ -404,13 +427,14 @@ def summarize(results, skipped, ceilings, info):
         ceil = ceilings.get(fam, {})
         for mode in ["plain", *MODES]:
             if any(s[0] == fam and s[2] == mode for s in skipped):
-                rows.append(f"| {fam} | {fam}_torchcompile.py | {mode} | n/a (needs CUDA) | | | | | | | | |")
+                rows.append(f"| {fam} | {fam}_torchcompile.py | {mode} | n/a (needs CUDA) | | | | | | | | | |")
                 continue
             cell = cells.get((fam, mode))
             if not cell:
                 continue
             sps = [speed(r) for r in cell]
             med = statistics.median(sps)
+            band = repeat_band(sps)
             paired = [speed(r) / plain_sps[r["seed"]] for r in cell if r["seed"] in plain_sps]
             returns = [r["episodic_return"] for r in cell if r["episodic_return"] is not None]
             cols = [
@@ -418,6 +442,7 @@ def summarize(results, skipped, ceilings, info):
                 cell[0]["script"],
                 mode,
                 f"{med:,.0f}",
+                f"±{band / med:.1%}" if band is not None else "",
                 f"{min(sps):,.0f}-{max(sps):,.0f}",
                 f"{statistics.median([r['sps'] for r in cell]):,.0f}",
                 f"{statistics.median(paired):.2f}x" if paired else "",
@@ -431,7 +456,7 @@ def summarize(results, skipped, ceilings, info):
     rows += [
         "",
         f"Each run and each ceiling ran pinned to one core beside a probe that measures that core's speed; steps/s at the reference core speed are raw steps/s x {REFERENCE_CORE_SPEED:g} / the probe's mean over the run's timed window (probe units per CPU-second).",
-        "min-max is over seeds: the noise band of each median. vs plain: the median over seeds of each run's steps/s over the plain script's run of the same seed, run just before it.",
+        "repeat band: the noise band of each median, where a rerun's median should fall (99%; from the spread over seeds, see `repeat_band` in benchmark/bench.py). min-max: over seeds. vs plain: the median over seeds of each run's steps/s over the plain script's run of the same seed, run just before it.",
     ]
     core_speeds = [r["core_speed"] for r in results if r.get("core_speed")]
     if core_speeds:
@@ -449,25 +474,27 @@ def summarize(results, skipped, ceilings, info):
 def compare(first, second):
     """Check a second benchmark run against a first one, cell by cell (family and mode).
 
-    Each cell's min-max over seeds is the noise band the table reports for its median. A cell
-    repeats when each run's median lies inside the other run's band. Returns the Markdown lines
-    and the number of cells that did not repeat."""
+    A cell repeats when each run's median lies inside the other run's repeat band (the noise
+    band the table reports). Returns the Markdown lines and the number of cells that did not."""
 
     def bands(results):
         sps = {key: [speed(r) for r in cell] for key, cell in by_cell(results).items()}
-        return {key: (statistics.median(v), min(v), max(v)) for key, v in sps.items()}
+        return {key: (statistics.median(v), repeat_band(v)) for key, v in sps.items()}
+
+    def shown(median, band):
+        return f"{median:,.0f} ± {band / median:.1%}" if band is not None else f"{median:,.0f} (one run: no band)"
 
     a, b = bands(first), bands(second)
     rows = [
-        "| algorithm | mode | run 1: median (min-max) | run 2: median (min-max) | change | medians within the other's band |",
+        "| algorithm | mode | run 1: median ± repeat band | run 2: median ± repeat band | change | medians within the other's band |",
         "|---|---|---:|---:|---:|---|",
     ]
     outside = 0
     for key in [k for k in a if k in b]:
-        (ma, lo_a, hi_a), (mb, lo_b, hi_b) = a[key], b[key]
-        ok = lo_a <= mb <= hi_a and lo_b <= ma <= hi_b
+        (ma, band_a), (mb, band_b) = a[key], b[key]
+        ok = band_a is not None and band_b is not None and abs(mb - ma) <= min(band_a, band_b)
         outside += not ok
-        cols = [*key, f"{ma:,.0f} ({lo_a:,.0f}-{hi_a:,.0f})", f"{mb:,.0f} ({lo_b:,.0f}-{hi_b:,.0f})", f"{mb / ma - 1:+.1%}", "yes" if ok else "no"]
+        cols = [*key, shown(ma, band_a), shown(mb, band_b), f"{mb / ma - 1:+.1%}", "yes" if ok else "no"]
         rows.append("| " + " | ".join(cols) + " |")
     rows += ["", f"{len(rows) - 2 - outside} of {len(rows) - 2} cells repeat within their noise band."]
     return rows, outside

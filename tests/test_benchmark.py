@@ -82,6 +82,14 @@ def test_arithmetic_ceiling_replays_recorded_matmuls(tmp_path):
     assert ceiling["gflop_per_step"] > 0
 
 
+def test_repeat_band_widens_with_the_spread_and_needs_two_runs():
+    bench = load_bench()
+    # s = 1.581 over five runs: 4.604 (t, 4 dof, 99%) * sqrt(pi / 2) * sqrt(2 / 5) * s
+    assert math.isclose(bench.repeat_band([1, 2, 3, 4, 5]), 5.770, rel_tol=1e-3)
+    assert math.isclose(bench.repeat_band([2, 4, 6, 8, 10]), 2 * bench.repeat_band([1, 2, 3, 4, 5]))
+    assert bench.repeat_band([7.0]) is None
+
+
 def test_compare_flags_a_median_outside_the_other_runs_band():
     bench = load_bench()
 
@@ -89,8 +97,9 @@ def test_compare_flags_a_median_outside_the_other_runs_band():
         return [{"family": "ppo", "mode": "compile", "sps": s} for s in ppo] + [{"family": "dqn", "mode": "plain", "sps": s} for s in dqn]
 
     first = run(ppo=[100, 110, 120], dqn=[50, 52, 54])
-    # ppo's median 112 lies in 100-120 and 110 in 105-118; dqn's 60 lies outside 50-54.
-    rows, outside = bench.compare(first, run(ppo=[105, 112, 118], dqn=[58, 60, 61]))
+    # Three runs: bands of 10.16 x the standard deviation. ppo's medians differ by 2 (bands 102
+    # and 66); dqn's by 29, outside both bands (20.3 and 10.2).
+    rows, outside = bench.compare(first, run(ppo=[105, 112, 118], dqn=[80, 81, 82]))
     assert outside == 1
     assert [row.split(" | ")[-1] for row in rows[2:4]] == ["yes |", "no |"]
     assert bench.compare(first, first)[1] == 0
