@@ -381,21 +381,34 @@ def read_results(path):
 T_99 = {1: 63.657, 2: 9.925, 3: 5.841, 4: 4.604, 5: 4.032, 6: 3.707, 7: 3.499, 8: 3.355, 9: 3.250, 10: 3.169, 15: 2.947, 20: 2.845, 30: 2.750}
 
 
-def repeat_band(values):
-    """Half-width of the band around a cell's median in which a rerun's median should fall (99%);
-    None for fewer than two runs.
+def t_99(dof):
+    return T_99[max(k for k in T_99 if k <= dof)] if dof <= 30 else 2.576
+
+
+def repeat_bands(cells):
+    """Per cell (key -> steps/s of its runs): the half-width of the band around its median in
+    which a rerun's median should fall (99%); None for a cell of one run.
 
     The min-max over seeds is not such a band: for two runs of five seeds of pure, independent
     noise, each median lies inside the other's min-max in a given cell 72% of the time, and in
     all 15 cells of the table 0.6% of the time (simulated). The median of n runs has a standard
     error of about sqrt(pi/2) * s / sqrt(n) (s: the standard deviation over seeds), the
-    difference of two runs' medians sqrt(2) times that; Student's t at 99% makes the 15 cells
-    hold together about 86% of the time (0.99 ** 15)."""
-    n = len(values)
-    if n < 2:
-        return None
-    t = T_99[max(k for k in T_99 if k <= n - 1)] if n - 1 <= 30 else 2.576
-    return t * math.sqrt(math.pi / 2) * math.sqrt(2 / n) * statistics.stdev(values)
+    difference of two runs' medians sqrt(2) times that; Student's t at 99% makes 15 cells hold
+    together about 86% of the time (0.99 ** 15). Five seeds can also agree by chance (five TD3
+    runs within 2% of each other, then a rerun 5% off), so no band is narrower than the one the
+    relative spread pooled over all cells of the benchmark gives."""
+    spread = {key: statistics.stdev(v) / statistics.mean(v) for key, v in cells.items() if len(v) > 1}
+    dof = sum(len(cells[key]) - 1 for key in spread)
+    pooled = math.sqrt(sum((len(cells[key]) - 1) * sd**2 for key, sd in spread.items()) / dof) if dof else 0.0
+    bands = {}
+    for key, values in cells.items():
+        n = len(values)
+        if n < 2:
+            bands[key] = None
+            continue
+        relative = max(t_99(n - 1) * spread[key], t_99(dof) * pooled)
+        bands[key] = relative * math.sqrt(math.pi / 2) * math.sqrt(2 / n) * statistics.median(values)
+    return bands
 
 
 def speed(record):
@@ -422,6 +435,7 @@ def summarize(results, skipped, ceilings, info):
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     cells = by_cell(results)
+    bands = repeat_bands({key: [speed(r) for r in cell] for key, cell in cells.items()})
     for fam in dict.fromkeys(r["family"] for r in results):
         plain_sps = {r["seed"]: speed(r) for r in cells.get((fam, "plain"), [])}
         ceil = ceilings.get(fam, {})
@@ -434,7 +448,7 @@ def summarize(results, skipped, ceilings, info):
                 continue
             sps = [speed(r) for r in cell]
             med = statistics.median(sps)
-            band = repeat_band(sps)
+            band = bands[(fam, mode)]
             paired = [speed(r) / plain_sps[r["seed"]] for r in cell if r["seed"] in plain_sps]
             returns = [r["episodic_return"] for r in cell if r["episodic_return"] is not None]
             cols = [
@@ -456,7 +470,7 @@ def summarize(results, skipped, ceilings, info):
     rows += [
         "",
         f"Each run and each ceiling ran pinned to one core beside a probe that measures that core's speed; steps/s at the reference core speed are raw steps/s x {REFERENCE_CORE_SPEED:g} / the probe's mean over the run's timed window (probe units per CPU-second).",
-        "repeat band: the noise band of each median, where a rerun's median should fall (99%; from the spread over seeds, see `repeat_band` in benchmark/bench.py). min-max: over seeds. vs plain: the median over seeds of each run's steps/s over the plain script's run of the same seed, run just before it.",
+        "repeat band: the noise band of each median, where a rerun's median should fall (99%; from the spread over seeds, see `repeat_bands` in benchmark/bench.py). min-max: over seeds. vs plain: the median over seeds of each run's steps/s over the plain script's run of the same seed, run just before it.",
     ]
     core_speeds = [r["core_speed"] for r in results if r.get("core_speed")]
     if core_speeds:
@@ -479,7 +493,8 @@ def compare(first, second):
 
     def bands(results):
         sps = {key: [speed(r) for r in cell] for key, cell in by_cell(results).items()}
-        return {key: (statistics.median(v), repeat_band(v)) for key, v in sps.items()}
+        band = repeat_bands(sps)
+        return {key: (statistics.median(v), band[key]) for key, v in sps.items()}
 
     def shown(median, band):
         return f"{median:,.0f} ± {band / median:.1%}" if band is not None else f"{median:,.0f} (one run: no band)"

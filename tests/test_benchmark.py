@@ -82,12 +82,17 @@ def test_arithmetic_ceiling_replays_recorded_matmuls(tmp_path):
     assert ceiling["gflop_per_step"] > 0
 
 
-def test_repeat_band_widens_with_the_spread_and_needs_two_runs():
+def test_repeat_bands_from_each_cells_spread_with_a_pooled_floor():
     bench = load_bench()
-    # s = 1.581 over five runs: 4.604 (t, 4 dof, 99%) * sqrt(pi / 2) * sqrt(2 / 5) * s
-    assert math.isclose(bench.repeat_band([1, 2, 3, 4, 5]), 5.770, rel_tol=1e-3)
-    assert math.isclose(bench.repeat_band([2, 4, 6, 8, 10]), 2 * bench.repeat_band([1, 2, 3, 4, 5]))
-    assert bench.repeat_band([7.0]) is None
+    wide, narrow = [80, 90, 100, 110, 120], [99, 100, 100, 100, 101]
+    bands = bench.repeat_bands({"wide": wide, "narrow": narrow, "single": [7.0]})
+    factor = math.sqrt(math.pi / 2) * math.sqrt(2 / 5) * 100  # median 100 in both cells
+    # the wide cell: its own spread, s / mean = 0.158, with t at 4 degrees of freedom (4.604)
+    assert math.isclose(bands["wide"], 4.604 * (15.81 / 100) * factor, rel_tol=1e-3)
+    # the narrow cell: not its own tiny spread but the pooled one, with t at 8 degrees of freedom
+    pooled = math.sqrt((0.1581**2 + 0.00707**2) / 2)
+    assert math.isclose(bands["narrow"], 3.355 * pooled * factor, rel_tol=1e-3)
+    assert bands["single"] is None
 
 
 def test_compare_flags_a_median_outside_the_other_runs_band():
@@ -96,10 +101,9 @@ def test_compare_flags_a_median_outside_the_other_runs_band():
     def run(ppo, dqn):
         return [{"family": "ppo", "mode": "compile", "sps": s} for s in ppo] + [{"family": "dqn", "mode": "plain", "sps": s} for s in dqn]
 
-    first = run(ppo=[100, 110, 120], dqn=[50, 52, 54])
-    # Three runs: bands of 10.16 x the standard deviation. ppo's medians differ by 2 (bands 102
-    # and 66); dqn's by 29, outside both bands (20.3 and 10.2).
-    rows, outside = bench.compare(first, run(ppo=[105, 112, 118], dqn=[80, 81, 82]))
+    first = run(ppo=[100, 110, 120, 110, 110], dqn=[50, 51, 52, 51, 51])
+    # ppo's medians differ by 2, well inside both bands; dqn's by 30%, outside both.
+    rows, outside = bench.compare(first, run(ppo=[108, 112, 114, 112, 112], dqn=[66, 66, 67, 66, 66]))
     assert outside == 1
     assert [row.split(" | ")[-1] for row in rows[2:4]] == ["yes |", "no |"]
     assert bench.compare(first, first)[1] == 0
