@@ -13,6 +13,10 @@ Ceilings:
   a short run of the plain script and replayed in a tight loop (steps per second if a step
   cost nothing else).
 
+Noise: every run and every ceiling is pinned to one core beside a probe of that core's speed;
+speeds are also given at a fixed reference core speed, and each median comes with a repeat
+band, where a rerun's median should fall (REFERENCE_CORE_SPEED and repeat_bands below).
+
 Usage: see `./run.sh --help`.
 """
 
@@ -581,9 +585,9 @@ def main(argv=None):
 
     import torch
 
-    # Five seeds of short runs: on this project's drifting machine two such benchmarks repeated
-    # (each median inside the other's min-max) in 6 of 15 cells, against 3 of 15 with three
-    # seeds of longer runs (README, "Does it repeat?").
+    # Five seeds of short runs: four such benchmarks on this project's drifting machine, compared
+    # pair by pair, kept each median inside the other's repeat band in 87 of 90 cells (README,
+    # "Does it repeat?").
     seeds = args.seeds or ([1] if args.profile == "tiny" else [1, 2, 3, 4, 5])
     out = (args.out or ROOT / "bench_results" / f"{args.profile}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)
