@@ -26,6 +26,7 @@ import json
 import math
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -150,7 +151,7 @@ def plan(families, seeds, profile, cuda):
 # during the run's measured window. Repeated runs of DQN and TD3 varied by 13% and 17% in raw
 # steps/s, and by 5% and 4% at the reference speed.
 REFERENCE_CORE_SPEED = 350.0  # probe units per CPU-second: about this host's median
-PROBE_PERIOD_S = 0.25  # about 5 ms of probe work every 0.25 s: 2% of the core, for every mode alike
+PROBE_PERIOD_S = 0.25  # 6-9 ms of probe work every 0.25 s: 2-3.5% of the core, for every mode alike
 PROBE = r"""
 import sys, time, torch
 torch.set_num_threads(1)
@@ -194,15 +195,25 @@ class CoreProbe:
     """The probe process on `core`, sampled in the background: `speed(start, end)` is its mean
     over a window of time.monotonic() seconds (None without a reading in or near it)."""
 
-    def __init__(self, core):
+    def __init__(self, core, wait_s=60.0):
         with pinned(core):
             self.proc = subprocess.Popen([sys.executable, "-c", PROBE, str(PROBE_PERIOD_S)], stdout=subprocess.PIPE, text=True, env={**os.environ, **ONE_THREAD})
         self.samples = []
         threading.Thread(target=self._read, daemon=True).start()
+        # the first run's timed window must not start before the probe's first reading
+        deadline = time.monotonic() + wait_s
+        while not self.samples and self.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not self.samples:
+            self.close()
+            raise RuntimeError(f"the core-speed probe gave no reading within {wait_s:.0f} s (is torch importable by {sys.executable}?)")
 
     def _read(self):
         for line in self.proc.stdout:
-            t, speed = map(float, line.split())
+            try:
+                t, speed = map(float, line.split())
+            except ValueError:  # a stray line (a warning) is not a reading
+                continue
             self.samples.append((t, speed))
 
     def speed(self, start, end):
@@ -240,17 +251,28 @@ def run_one(script, argv, log_dir, timeout, core):
     summary, done_at = None, None
     with open(log, "w") as err:
         with pinned(core):
-            proc = subprocess.Popen([sys.executable, str(script), *argv], stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=log_dir)
-        timer = threading.Timer(timeout, proc.kill)
+            # its own process group, so that a timeout also stops anything it started
+            proc = subprocess.Popen([sys.executable, str(script), *argv], stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=log_dir, start_new_session=True)
+        kill = lambda: os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None  # noqa: E731
+        timer = threading.Timer(timeout, kill)
+        timer.daemon = True
         timer.start()
-        for line in proc.stdout:
-            if line.startswith("{"):
-                summary, done_at = line, time.monotonic()
-        proc.wait()
-        timer.cancel()
+        try:
+            for line in proc.stdout:
+                if line.startswith("{"):
+                    summary, done_at = line, time.monotonic()
+            proc.wait()
+        finally:
+            timer.cancel()
+            if proc.poll() is None:  # interrupted (Ctrl-C): no run is left behind
+                kill()
+                proc.wait()
     if proc.returncode != 0 or summary is None:
         return None, log, None
-    return json.loads(summary), log, done_at
+    summary = json.loads(summary)
+    if summary.get("sps") is None or summary.get("warmup_s") is None:  # a budget too small to time
+        return None, log, None
+    return summary, log, done_at
 
 
 def env_ceiling(env_id, num_envs, envpool_env=False, seconds=10.0):
@@ -361,6 +383,8 @@ def run_all(runs, out, timeout, probe, core):
                 continue
             core_speed = probe.speed(done_at - (summary["wall_s"] - summary["warmup_s"]), done_at)
             sps_ref = at_reference(summary["sps"], core_speed)
+            if sps_ref is None:
+                print("  no core-speed reading during this run: the table uses its raw steps/s", flush=True)
             record = {"family": fam, "mode": mode, "core_speed": core_speed and round(core_speed, 2), "sps_ref": sps_ref and round(sps_ref, 1), **summary}
             results.append(record)
             sink.write(json.dumps(record) + "\n")
@@ -373,6 +397,14 @@ def run_all(runs, out, timeout, probe, core):
 def fmt_duration(seconds):
     seconds = int(seconds)
     return f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def read_ceilings(path):
+    """The ceilings and machine saved beside a results.jsonl (measured with those runs, on the
+    same machine). Folders from before the core probe stored a bare `env_sps`."""
+    saved = json.loads(Path(path).read_text())
+    ceilings = {fam: {"env": {"sps": c.pop("env_sps")}, **c} if "env_sps" in c else c for fam, c in saved["ceilings"].items()}
+    return ceilings, saved["machine"]
 
 
 def read_results(path):
@@ -397,8 +429,9 @@ def repeat_bands(cells):
     noise, each median lies inside the other's min-max in a given cell 72% of the time, and in
     all 15 cells of the table 0.6% of the time (simulated). The median of n runs has a standard
     error of about sqrt(pi/2) * s / sqrt(n) (s: the standard deviation over seeds), the
-    difference of two runs' medians sqrt(2) times that; Student's t at 99% makes 15 cells hold
-    together about 86% of the time (0.99 ** 15). Five seeds can also agree by chance (five TD3
+    difference of two runs' medians sqrt(2) times that; Student's t at 99% would make 15 cells
+    hold together about 86% of the time (0.99 ** 15) if each band were exact (`compare` asks for
+    each median inside the other's band, which is stricter). Five seeds can also agree by chance (five TD3
     runs within 2% of each other, then a rerun 5% off), so no band is narrower than the one the
     relative spread pooled over all cells of the benchmark gives."""
     spread = {key: statistics.stdev(v) / statistics.mean(v) for key, v in cells.items() if len(v) > 1}
@@ -476,6 +509,9 @@ def summarize(results, skipped, ceilings, info):
         f"Each run and each ceiling ran pinned to one core beside a probe that measures that core's speed; steps/s at the reference core speed are raw steps/s x {REFERENCE_CORE_SPEED:g} / the probe's mean over the run's timed window (probe units per CPU-second).",
         "repeat band: the noise band of each median, where a rerun's median should fall (99%; from the spread over seeds, see `repeat_bands` in benchmark/bench.py). min-max: over seeds. vs plain: the median over seeds of each run's steps/s over the plain script's run of the same seed, run just before it.",
     ]
+    unprobed = sum(not r.get("sps_ref") for r in results)
+    if unprobed:
+        rows += ["", f"{unprobed} of {len(results)} runs had no core-speed reading: their raw steps/s stand in for steps/s at the reference core speed."]
     core_speeds = [r["core_speed"] for r in results if r.get("core_speed")]
     if core_speeds:
         rows += ["", f"Core speed during the runs ranged {min(core_speeds):,.0f}-{max(core_speeds):,.0f} probe units/s over {len(core_speeds)} runs ({max(core_speeds) / min(core_speeds):.2f}x)."]
@@ -493,7 +529,8 @@ def compare(first, second):
     """Check a second benchmark run against a first one, cell by cell (family and mode).
 
     A cell repeats when each run's median lies inside the other run's repeat band (the noise
-    band the table reports). Returns the Markdown lines and the number of cells that did not."""
+    band the table reports); a cell of one run has no band and is not judged. Returns the
+    Markdown lines and the number of cells that did not repeat."""
 
     def bands(results):
         sps = {key: [speed(r) for r in cell] for key, cell in by_cell(results).items()}
@@ -508,14 +545,18 @@ def compare(first, second):
         "| algorithm | mode | run 1: median ± repeat band | run 2: median ± repeat band | change | medians within the other's band |",
         "|---|---|---:|---:|---:|---|",
     ]
-    outside = 0
+    outside, judged = 0, 0
     for key in [k for k in a if k in b]:
         (ma, band_a), (mb, band_b) = a[key], b[key]
-        ok = band_a is not None and band_b is not None and abs(mb - ma) <= min(band_a, band_b)
-        outside += not ok
-        cols = [*key, shown(ma, band_a), shown(mb, band_b), f"{mb / ma - 1:+.1%}", "yes" if ok else "no"]
+        if band_a is None or band_b is None:
+            verdict = "n/a (one run)"
+        else:
+            ok = abs(mb - ma) <= min(band_a, band_b)
+            judged, outside = judged + 1, outside + (not ok)
+            verdict = "yes" if ok else "no"
+        cols = [*key, shown(ma, band_a), shown(mb, band_b), f"{mb / ma - 1:+.1%}", verdict]
         rows.append("| " + " | ".join(cols) + " |")
-    rows += ["", f"{len(rows) - 2 - outside} of {len(rows) - 2} cells repeat within their noise band."]
+    rows += ["", f"{judged - outside} of {judged} cells repeat within their noise band."]
     return rows, outside
 
 
@@ -611,8 +652,7 @@ def main(argv=None):
         results = read_results(args.results) if args.results else run_all(runs, out, args.timeout, probe, core)
         ceilings = {}
         if reuse_ceilings:
-            reused = json.loads(saved.read_text())  # measured with those runs, on the same machine
-            ceilings, info = reused["ceilings"], reused["machine"]
+            ceilings, info = read_ceilings(saved)
             print(f"ceilings and machine: reused from {saved}", flush=True)
         elif measure_ceilings:
             env_measured = {}  # families on the same env and number of envs share one measurement

@@ -65,7 +65,7 @@ def test_core_probe_reads_the_speed_of_the_core_it_shares():
         first, last = probe.samples[0][0], probe.samples[-1][0]
         assert probe.speed(first, last) > 0
         assert probe.speed(last + 0.01, last + 0.02) == probe.samples[-1][1]  # a short window: the nearest reading
-        assert probe.speed(last + 5, last + 6) is None  # no reading in or near that window
+        assert probe.speed(first - 6, first - 5) is None  # no reading in or near that window
         assert os.sched_getaffinity(probe.proc.pid) == {core}
     finally:
         probe.close()
@@ -107,3 +107,54 @@ def test_compare_flags_a_median_outside_the_other_runs_band():
     assert outside == 1
     assert [row.split(" | ")[-1] for row in rows[2:4]] == ["yes |", "no |"]
     assert bench.compare(first, first)[1] == 0
+
+
+def test_compare_needs_each_median_inside_the_narrower_band(monkeypatch):
+    bench = load_bench()
+    bands = iter([{("a", "compile"): 20.0, ("b", "plain"): None}, {("a", "compile"): 5.0, ("b", "plain"): None}])
+    monkeypatch.setattr(bench, "repeat_bands", lambda cells: next(bands))
+    first = [{"family": "a", "mode": "compile", "sps": 100}, {"family": "b", "mode": "plain", "sps": 7}]
+    second = [{"family": "a", "mode": "compile", "sps": 110}, {"family": "b", "mode": "plain", "sps": 9}]
+    rows, outside = bench.compare(first, second)
+    # 110 lies in 100 +- 20 but 100 not in 110 +- 5; a cell of one run is not judged
+    assert outside == 1
+    assert [row.split(" | ")[-1] for row in rows[2:4]] == ["no |", "n/a (one run) |"]
+    assert rows[-1] == "0 of 1 cells repeat within their noise band."
+
+
+def test_ceiling_at_reference_speed_and_pinning_restored():
+    bench = load_bench()
+
+    class Probe:
+        def speed(self, start, end):
+            return 2 * bench.REFERENCE_CORE_SPEED if (start, end) == (1.0, 2.0) else None
+
+    ceiling = bench.with_reference({"sps": 100.0, "window": [1.0, 2.0]}, Probe())
+    assert ceiling == {"sps": 100.0, "core_speed": 2 * bench.REFERENCE_CORE_SPEED, "sps_ref": 50.0}
+    before = os.sched_getaffinity(0)
+    try:
+        with bench.pinned(max(before)):
+            assert os.sched_getaffinity(0) == {max(before)}
+            raise KeyError("inside")
+    except KeyError:
+        pass
+    assert os.sched_getaffinity(0) == before
+
+
+def test_a_run_past_its_timeout_is_stopped_and_counted_as_failed(tmp_path):
+    bench = load_bench()
+    sleeper = tmp_path / "sleeper.py"
+    sleeper.write_text("import time\nprint('{}', flush=True)\ntime.sleep(60)\n")
+    start = time.monotonic()
+    summary, log, done_at = bench.run_one(sleeper, [], tmp_path, timeout=2, core=None)
+    assert (summary, done_at) == (None, None) and log.exists()
+    assert time.monotonic() - start < 30
+
+
+def test_ceilings_saved_before_the_probe_are_read(tmp_path):
+    bench = load_bench()
+    saved = tmp_path / "ceilings.json"
+    saved.write_text(json.dumps({"machine": {"cpu": "x"}, "ceilings": {"dqn": {"env_sps": 10.0, "arith": {"sps": 5.0, "gflop_per_step": 1.0, "gflops": 2.0}}}}))
+    ceilings, info = bench.read_ceilings(saved)
+    assert ceilings["dqn"]["env"] == {"sps": 10.0} and ceilings["dqn"]["arith"]["sps"] == 5.0
+    assert bench.speed(ceilings["dqn"]["env"]) == 10.0 and info == {"cpu": "x"}

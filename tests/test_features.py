@@ -76,9 +76,12 @@ def test_ctrl_c_saves_and_exits_clean(script, workdir):
     i = tiny.index("--total-timesteps")
     long_run = tiny[:i] + ["--total-timesteps", "10000000"] + tiny[i + 2 :]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
+    # A shell without job control starts background jobs with SIGINT ignored, and a Python started
+    # so never raises KeyboardInterrupt: give the script the default disposition, as in a terminal.
     proc = subprocess.Popen(
         [sys.executable, str(script), *long_run, "--save-model"],
         cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     # Wait for the progress bar to show a first logged iteration, i.e. training is under way.
     seen, deadline = "", time.time() + 120
