@@ -236,11 +236,12 @@ def at_reference(sps, core_speed):
     return sps * REFERENCE_CORE_SPEED / core_speed if core_speed else None
 
 
-def with_reference(ceiling, probe):
-    """A ceiling's measurement with its core speed and steps/s at the reference speed, in place
-    of the window it was timed over."""
-    core_speed = probe.speed(*ceiling.pop("window"))
-    return {**ceiling, "core_speed": core_speed and round(core_speed, 2), "sps_ref": at_reference(ceiling["sps"], core_speed)}
+def with_reference(measured, probe, window):
+    """A run's summary or a ceiling's measurement with the core's speed over `window` (seconds
+    of time.monotonic()) and its steps/s at the reference core speed (None without a reading)."""
+    core_speed = probe.speed(*window)
+    sps_ref = at_reference(measured["sps"], core_speed)
+    return {**measured, "core_speed": core_speed and round(core_speed, 2), "sps_ref": sps_ref and round(sps_ref, 1)}
 
 
 def run_one(script, argv, log_dir, timeout, core):
@@ -262,11 +263,10 @@ def run_one(script, argv, log_dir, timeout, core):
                 if line.startswith("{"):
                     summary, done_at = line, time.monotonic()
             proc.wait()
-        finally:
+        finally:  # on Ctrl-C too: no run is left behind (after a normal end, kill does nothing)
             timer.cancel()
-            if proc.poll() is None:  # interrupted (Ctrl-C): no run is left behind
-                kill()
-                proc.wait()
+            kill()
+            proc.wait()
     if proc.returncode != 0 or summary is None:
         return None, log, None
     summary = json.loads(summary)
@@ -381,11 +381,10 @@ def run_all(runs, out, timeout, probe, core):
             if summary is None:
                 print(f"  failed: see {log}", flush=True)
                 continue
-            core_speed = probe.speed(done_at - (summary["wall_s"] - summary["warmup_s"]), done_at)
-            sps_ref = at_reference(summary["sps"], core_speed)
+            record = {"family": fam, "mode": mode, **with_reference(summary, probe, (done_at - (summary["wall_s"] - summary["warmup_s"]), done_at))}
+            sps_ref = record["sps_ref"]
             if sps_ref is None:
                 print("  no core-speed reading during this run: the table uses its raw steps/s", flush=True)
-            record = {"family": fam, "mode": mode, "core_speed": core_speed and round(core_speed, 2), "sps_ref": sps_ref and round(sps_ref, 1), **summary}
             results.append(record)
             sink.write(json.dumps(record) + "\n")
             sink.flush()
@@ -472,7 +471,8 @@ def summarize(results, skipped, ceilings, info):
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     cells = by_cell(results)
-    bands = repeat_bands({key: [speed(r) for r in cell] for key, cell in cells.items()})
+    speeds = {key: [speed(r) for r in cell] for key, cell in cells.items()}
+    bands = repeat_bands(speeds)
     for fam in dict.fromkeys(r["family"] for r in results):
         plain_sps = {r["seed"]: speed(r) for r in cells.get((fam, "plain"), [])}
         ceil = ceilings.get(fam, {})
@@ -483,7 +483,7 @@ def summarize(results, skipped, ceilings, info):
             cell = cells.get((fam, mode))
             if not cell:
                 continue
-            sps = [speed(r) for r in cell]
+            sps = speeds[(fam, mode)]
             med = statistics.median(sps)
             band = bands[(fam, mode)]
             paired = [speed(r) / plain_sps[r["seed"]] for r in cell if r["seed"] in plain_sps]
@@ -662,12 +662,14 @@ def main(argv=None):
                 key = (cfg["env_id"], cfg["num_envs"])
                 if key not in env_measured:
                     with pinned(core):
-                        env_measured[key] = with_reference(env_ceiling(*key, envpool_env=fam == "ppo_atari_envpool"), probe)
+                        measured = env_ceiling(*key, envpool_env=fam == "ppo_atari_envpool")
+                        env_measured[key] = with_reference(measured, probe, measured.pop("window"))
                 ceilings[fam] = {"env": env_measured[key]}
                 if cfg["off_policy"]:
                     try:
                         with pinned(core):
-                            ceilings[fam]["arith"] = with_reference(arithmetic_ceiling(fam, out / "logs"), probe)
+                            measured = arithmetic_ceiling(fam, out / "logs")
+                            ceilings[fam]["arith"] = with_reference(measured, probe, measured.pop("window"))
                     except subprocess.CalledProcessError as e:
                         print(f"  arithmetic ceiling failed: {e.stderr.strip().splitlines()[-1] if e.stderr else e}", flush=True)
     finally:

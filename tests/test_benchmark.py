@@ -129,7 +129,7 @@ def test_ceiling_at_reference_speed_and_pinning_restored():
         def speed(self, start, end):
             return 2 * bench.REFERENCE_CORE_SPEED if (start, end) == (1.0, 2.0) else None
 
-    ceiling = bench.with_reference({"sps": 100.0, "window": [1.0, 2.0]}, Probe())
+    ceiling = bench.with_reference({"sps": 100.0}, Probe(), (1.0, 2.0))
     assert ceiling == {"sps": 100.0, "core_speed": 2 * bench.REFERENCE_CORE_SPEED, "sps_ref": 50.0}
     before = os.sched_getaffinity(0)
     try:
