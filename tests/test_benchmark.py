@@ -158,3 +158,21 @@ def test_ceilings_saved_before_the_probe_are_read(tmp_path):
     ceilings, info = bench.read_ceilings(saved)
     assert ceilings["dqn"]["env"] == {"sps": 10.0} and ceilings["dqn"]["arith"]["sps"] == 5.0
     assert bench.speed(ceilings["dqn"]["env"]) == 10.0 and info == {"cpu": "x"}
+
+
+def test_elasticity_fit_and_use():
+    bench = load_bench()
+    # steps/s that move with the core speed to the power 1.5 give back 1.5, with no error
+    runs = [{"family": "dqn", "mode": "compile", "sps": 10.0 * c**1.5, "core_speed": c} for c in (200.0, 300.0, 450.0)]
+    runs.append({"family": "dqn", "mode": "compile", "sps": 5.0})  # no probe reading: not fitted
+    runs.append({"family": "sac", "mode": "plain", "sps": 5.0, "core_speed": 300.0})  # too few runs
+    fits = bench.fit_elasticity(runs)
+    assert list(fits) == [("dqn", "compile")]
+    slope, se, n = fits[("dqn", "compile")]
+    assert math.isclose(slope, 1.5) and se < 1e-9 and n == 3
+    # with that elasticity every run lands on the same speed at the reference core speed
+    bench.ELASTICITY[("dqn", "compile")] = 1.5
+    at_ref = {round(bench.speed(r), 6) for r in runs[:3]}
+    assert at_ref == {round(10.0 * bench.REFERENCE_CORE_SPEED**1.5, 6)}
+    assert bench.at_reference(100.0, 4 * bench.REFERENCE_CORE_SPEED, 0.5) == 50.0
+    assert bench.speed(runs[3]) == 5.0  # raw steps/s without a reading
