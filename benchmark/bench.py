@@ -152,14 +152,15 @@ def plan(families, seeds, profile, cuda):
 # varied by 13% and 17% in raw steps/s, and by 5% and 4% at the reference speed.
 REFERENCE_CORE_SPEED = 350.0  # probe units per CPU-second: about this host's median
 # How far each cell's steps/s move with the probe's speed on this host: the slope of log steps/s
-# against log core speed over its 20 runs in four quick benchmarks (benchmark/results, runs D1-D4;
-# `./run.sh --fit-elasticity` prints it for any results). No probe moves exactly like every
-# workload: the matmul-bound SAC, TD3 and Atari PPO move less than the probe (0.8-0.9), PPO on
-# MuJoCo and compiled DQN more (1.3-1.5). Dividing by the probe alone left compiled DQN's steps/s
-# moving with the core as speed ** 0.46: medians of two benchmarks that met cores 20% apart missed
-# each other's bands by 11-16%. Fitted on two of the four benchmarks, these slopes kept every
-# median of the other two inside the other's band (90 of 90 cells over the six pairs). A cell
-# without an entry (the cudagraphs modes) uses 1.0. On another machine, fit them again.
+# against log core speed over its 20 runs in four quick benchmarks (D1-D4, in
+# benchmark/results/calibration; `./run.sh --fit-elasticity` prints such a fit). No probe moves
+# exactly like every workload: the matmul-bound SAC, TD3 and Atari PPO move less than the probe
+# (0.8-0.9), PPO on MuJoCo and compiled DQN more (1.3-1.5). Dividing by the probe alone left
+# compiled DQN's steps/s moving with the core as speed ** 0.46, and medians of benchmarks that met
+# cores 20% apart missed each other's bands by 11-16%. Slopes fitted to two of the four runs kept
+# every median of the other two inside the other's band (90 of 90 cells over the six pairs); three
+# later benchmarks with these slopes, 45 of 45. A cell without an entry (the cudagraphs modes)
+# uses 1.0. On another machine, fit them again.
 ELASTICITY = {
     ("ppo_continuous_action", "plain"): 1.31,
     ("ppo_continuous_action", "eager"): 1.27,
@@ -688,8 +689,8 @@ def main(argv=None):
 
     import torch
 
-    # Five seeds of short runs: four such benchmarks on this project's drifting machine, compared
-    # pair by pair, kept each median inside the other's repeat band in 87 of 90 cells (README,
+    # Five seeds of short runs: three such benchmarks on this project's drifting machine, compared
+    # pair by pair, kept each median inside the other's repeat band in 45 of 45 cells (README,
     # "Does it repeat?").
     seeds = args.seeds or ([1] if args.profile == "tiny" else [1, 2, 3, 4, 5])
     out = (args.out or ROOT / "bench_results" / f"{args.profile}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
