@@ -149,18 +149,18 @@ def plan(families, seeds, profile, cuda):
 # every ceiling runs pinned to one core, a small probe shares that core, and each speed is also
 # given at a fixed reference core speed: steps/s x (REFERENCE_CORE_SPEED / the probe's mean
 # during the run's measured window) ** the cell's ELASTICITY. Repeated runs of DQN and TD3
-# varied by 13% and 17% in raw steps/s, and by 5% and 4% at the reference speed.
-REFERENCE_CORE_SPEED = 350.0  # probe units per CPU-second: about this host's median
+# varied by 13% and 17% in raw steps/s, and by 5% and 4% at the reference speed (exponent 1).
+REFERENCE_CORE_SPEED = 350.0  # probe units per CPU-second: a typical core speed of this host
 # How far each cell's steps/s move with the probe's speed on this host: the slope of log steps/s
 # against log core speed over its 20 runs in four quick benchmarks (D1-D4, in
 # benchmark/results/calibration; `./run.sh --fit-elasticity` prints such a fit). No probe moves
 # exactly like every workload: the matmul-bound SAC, TD3 and Atari PPO move less than the probe
-# (0.8-0.9), PPO on MuJoCo and compiled DQN more (1.3-1.5). Dividing by the probe alone left
-# compiled DQN's steps/s moving with the core as speed ** 0.46, and medians of benchmarks that met
-# cores 20% apart missed each other's bands by 11-16%. Slopes fitted to two of the four runs kept
-# every median of the other two inside the other's band (90 of 90 cells over the six pairs); three
-# later benchmarks with these slopes, 45 of 45. A cell without an entry (the cudagraphs modes)
-# uses 1.0. On another machine, fit them again.
+# (0.8-0.9), DQN and PPO on MuJoCo more (1.16-1.32), compiled DQN most (1.46). Dividing by the
+# probe alone left compiled DQN's steps/s moving with the core as speed ** 0.46, and medians of
+# benchmarks that met cores 20% apart missed each other's bands by 11-16%. Slopes fitted to two
+# of the four runs kept every median of the other two inside the other's band (90 of 90 cells
+# over the six pairs); three later benchmarks with these slopes, 45 of 45. A cell without an
+# entry (the cudagraphs modes) uses 1.0. On another machine, fit them again.
 ELASTICITY = {
     ("ppo_continuous_action", "plain"): 1.31,
     ("ppo_continuous_action", "eager"): 1.27,
@@ -674,7 +674,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     if args.fit_elasticity:
-        fits = fit_elasticity([r for path in args.fit_elasticity for r in read_results(path)])
+        results = [r for path in args.fit_elasticity for r in read_results(path)]
+        fits = fit_elasticity(results)
+        for key in by_cell(results):
+            if key not in fits:
+                print(f"not fitted: {key[0]} {key[1]} (fewer than three runs with a core-speed reading, or all at one speed)")
         print("# slope of log steps/s against log core speed: +- its standard error, over n runs")
         print("ELASTICITY = {")
         for (fam, mode), (slope, se, n) in fits.items():

@@ -176,3 +176,13 @@ def test_elasticity_fit_and_use():
     assert at_ref == {round(10.0 * bench.REFERENCE_CORE_SPEED**1.5, 6)}
     assert bench.at_reference(100.0, 4 * bench.REFERENCE_CORE_SPEED, 0.5) == 50.0
     assert bench.speed(runs[3]) == 5.0  # raw steps/s without a reading
+    # with noise: the slope's standard error as worked out by hand (x = log 2 ** k, k = 0..3)
+    noisy = [{"family": "a", "mode": "eager", "sps": math.exp(y), "core_speed": 2.0**k} for k, y in enumerate([0.0, 1.0, 1.0, 2.0])]
+    slope, se, n = bench.fit_elasticity(noisy)[("a", "eager")]
+    ln2 = math.log(2)
+    # slope over k is 0.6 (residuals -0.1, 0.3, -0.3, 0.1: 0.2 summed in squares, over sum of
+    # (k - 1.5)^2 = 5); in log 2 units the slope divides by ln 2, and so does its error
+    assert math.isclose(slope, 0.6 / ln2) and math.isclose(se, math.sqrt(0.2 / 2 / 5) / ln2)
+    # every run at one core speed: no slope
+    flat = [{"family": "a", "mode": "eager", "sps": s, "core_speed": 300.0} for s in (1.0, 2.0, 3.0)]
+    assert bench.fit_elasticity(flat) == {}
