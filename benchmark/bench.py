@@ -420,13 +420,14 @@ def arithmetic_ceiling(family, work_dir, seconds=5.0):
     return {"sps": train_steps * cfg["num_envs"] / per_pass, "gflop_per_step": flops / train_steps / 1e9, "gflops": flops / per_pass / 1e9, "window": [start, end]}
 
 
-def run_all(runs, out, timeout, probe, core):
-    """Run every planned run in turn with a progress line; append each summary to results.jsonl."""
+def run_all(runs, out, timeout, probe, core, then=""):
+    """Run every planned run in turn with a progress line; append each summary to results.jsonl.
+    `then` names what follows the runs, for the time-left estimate, which counts the runs only."""
     results, start = [], time.perf_counter()
     with open(out / "results.jsonl", "w") as sink:
         for i, (fam, script, mode, seed, run_argv) in enumerate(runs, 1):
             elapsed = time.perf_counter() - start
-            eta = f", about {fmt_duration(elapsed / (i - 1) * (len(runs) - i + 1))} left" if i > 1 else ""
+            eta = f", about {fmt_duration(elapsed / (i - 1) * (len(runs) - i + 1))} left{then}" if i > 1 else ""
             print(f"[{i}/{len(runs)}] {script.name} {mode} seed {seed} (elapsed {fmt_duration(elapsed)}{eta})", flush=True)
             summary, log, done_at = run_one(script, run_argv, out / "logs", timeout, core)
             if summary is None:
@@ -718,8 +719,10 @@ def main(argv=None):
     # The runs go to the last core this process may use; the harness mostly waits on the others.
     core = max(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     probe = CoreProbe(core) if not args.results or measure_ceilings else None
+    # the ceilings took 17-25 s per family on this project's machine
+    ceilings_eta = f" in the runs, then the ceilings (about {fmt_duration(25 * len(args.scripts))} here)"
     try:
-        results = read_results(args.results) if args.results else run_all(runs, out, args.timeout, probe, core)
+        results = read_results(args.results) if args.results else run_all(runs, out, args.timeout, probe, core, then=ceilings_eta if measure_ceilings else "")
         ceilings = {}
         if reuse_ceilings:
             ceilings, info = read_ceilings(saved)
