@@ -265,12 +265,13 @@ def at_reference(sps, core_speed, elasticity=1.0):
     return sps * (REFERENCE_CORE_SPEED / core_speed) ** elasticity if core_speed else None
 
 
-def with_reference(measured, probe, window, elasticity=1.0):
-    """A run's summary or a ceiling's measurement with the core's speed over `window` (seconds
-    of time.monotonic()) and its steps/s at the reference core speed (None without a reading)."""
+def with_reference(measured, probe, window):
+    """A run's record or a ceiling's measurement with the core's speed over `window` (seconds
+    of time.monotonic()) and its steps/s at the reference core speed, as `speed` works it out
+    (None without a reading)."""
     core_speed = probe.speed(*window)
-    sps_ref = at_reference(measured["sps"], core_speed, elasticity)
-    return {**measured, "core_speed": core_speed and round(core_speed, 2), "sps_ref": sps_ref and round(sps_ref, 1)}
+    record = {**measured, "core_speed": core_speed and round(core_speed, 2)}
+    return {**record, "sps_ref": round(speed(record), 1) if core_speed else None}
 
 
 def fit_elasticity(results):
@@ -434,7 +435,7 @@ def run_all(runs, out, timeout, probe, core, then=""):
                 print(f"  failed: see {log}", flush=True)
                 continue
             window = (done_at - (summary["wall_s"] - summary["warmup_s"]), done_at)
-            record = {"family": fam, "mode": mode, **with_reference(summary, probe, window, ELASTICITY.get((fam, mode), 1.0))}
+            record = with_reference({"family": fam, "mode": mode, **summary}, probe, window)
             sps_ref = record["sps_ref"]
             if sps_ref is None:
                 print("  no core-speed reading during this run: the table uses its raw steps/s", flush=True)
