@@ -31,11 +31,11 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.optim as optim
 import tqdm
 import tyro
 from tensordict import from_module, from_modules
 from tensordict.nn import CudaGraphModule
+from torch.optim.adam import adam
 
 
 @dataclass
@@ -261,15 +261,21 @@ class Actor(nn.Module):
         return mean, log_std
 
     def get_action(self, x):
-        mean, log_std = self(x)
-        noise = torch.randn_like(mean)
-        y_t = torch.tanh(mean + log_std.exp() * noise)
-        action = y_t * self.action_scale + self.action_bias
-        # Enforcing Action Bound
-        log_prob = -0.5 * noise.pow(2) - log_std - LOG_SQRT_2PI - torch.log(self.action_scale * (1 - y_t.pow(2)) + 1e-6)
-        log_prob = log_prob.sum(1, keepdim=True)
-        mean = torch.tanh(mean) * self.action_scale + self.action_bias
-        return action, log_prob, mean
+        return squashed_sample(*self(x), self.action_scale, self.action_bias)
+
+
+def squashed_sample(mean, log_std, action_scale, action_bias):
+    """Actor.get_action from the actor's output: a sampled action, its log-probability and the
+    deterministic action. Apart from the module, so that the actor's loss can run the network
+    through torch.func.functional_call."""
+    noise = torch.randn_like(mean)
+    y_t = torch.tanh(mean + log_std.exp() * noise)
+    action = y_t * action_scale + action_bias
+    # Enforcing Action Bound
+    log_prob = -0.5 * noise.pow(2) - log_std - LOG_SQRT_2PI - torch.log(action_scale * (1 - y_t.pow(2)) + 1e-6)
+    log_prob = log_prob.sum(1, keepdim=True)
+    mean = torch.tanh(mean) * action_scale + action_bias
+    return action, log_prob, mean
 
 
 def critic(params, x):
@@ -284,6 +290,38 @@ def critic(params, x):
     h = torch.baddbmm(params["fc1.bias"].unsqueeze(1), x.expand(2, *x.shape), params["fc1.weight"].mT).relu()
     h = torch.baddbmm(params["fc2.bias"].unsqueeze(1), h, params["fc2.weight"].mT).relu()
     return torch.baddbmm(params["fc3.bias"].unsqueeze(1), h, params["fc3.weight"].mT)
+
+
+class Adam:
+    """`optim.Adam` with its defaults, as a call on tensors: torch's functional `adam` (the code
+    `optim.Adam.step()` runs) on state kept here, given the gradients by parameter name. Inside a
+    compiled update it traces into the update's single graph. `loss.backward()` and
+    `optimizer.step()` there break the graph instead, and dynamo then compiles Adam's step on its
+    own, once per optimizer (seen on CUDA as recompiles).
+
+    `params` are detached views of the parameters, updated in place: the update differentiates
+    with respect to them. `fused`: one kernel for all the parameters, for eager updates; compiled
+    updates take the single-tensor loop, which inductor fuses. `capturable`: the step counts
+    stay on the device, so a step never syncs with the host and can be captured in a CUDA graph."""
+
+    def __init__(self, named_params, lr, fused=False, capturable=False):
+        self.params = {name: p.detach() for name, p in named_params}
+        self.exp_avgs = [torch.zeros_like(p) for p in self.params.values()]
+        self.exp_avg_sqs = [torch.zeros_like(p) for p in self.params.values()]
+        self.steps = [torch.zeros((), device=p.device) for p in self.params.values()]
+        self.lr, self.fused, self.capturable = lr, fused, capturable
+
+    @torch.no_grad()
+    def step(self, grads):
+        # torch.func returns a weight's gradient in the layout the backward made it (transposed,
+        # for a weight used as `w.mT`); the fused kernel reads it as if laid out like the weight
+        # (seen on a CPU, torch 2.13: wrong steps for the transposed weights).
+        grads = [grads[name].contiguous() for name in self.params]
+        adam(
+            list(self.params.values()), grads, self.exp_avgs, self.exp_avg_sqs, [], self.steps,
+            foreach=False, fused=self.fused or None, capturable=self.capturable,
+            amsgrad=False, beta1=0.9, beta2=0.999, lr=self.lr, weight_decay=0.0, eps=1e-8, maximize=False,
+        )
 
 
 def make_learner(n_obs, n_act, action_low, action_high, args, device, checkpoint=None, capturable=False, fused=False):
@@ -318,11 +356,10 @@ def make_learner(n_obs, n_act, action_low, action_high, args, device, checkpoint
     alpha = log_alpha.detach().exp()
 
     q_params = dict(q_stack.flatten_keys(".").items())
-    # Learning rates are tensors, so that changing them never recompiles the update.
-    opt = dict(capturable=capturable, fused=fused or None)
-    q_optimizer = optim.Adam(q_params.values(), lr=torch.tensor(args.q_lr, device=device), **opt)
-    actor_optimizer = optim.Adam(actor.parameters(), lr=torch.tensor(args.policy_lr, device=device), **opt)
-    a_optimizer = optim.Adam([log_alpha], lr=torch.tensor(args.q_lr, device=device), **opt) if args.autotune else None
+    opt = dict(capturable=capturable, fused=fused)
+    q_optimizer = Adam(q_params.items(), args.q_lr, **opt)
+    actor_optimizer = Adam(actor.named_parameters(), args.policy_lr, **opt)
+    a_optimizer = Adam([("log_alpha", log_alpha)], args.q_lr, **opt) if args.autotune else None
     return SimpleNamespace(
         actor=actor,
         actor_detach=actor_detach,
@@ -350,15 +387,37 @@ def make_update(sac, storage, n_obs, n_act, args):
 
     The first two gather their batch from the buffer themselves, so that the gather fuses with
     the forward pass, and return their metrics as one detached tensor that stays on the
-    device."""
-    actor, q_params, q_target, alpha, log_alpha = sac.actor, sac.q_params, sac.q_target, sac.alpha, sac.log_alpha
+    device. Gradients come from torch.func and the steps from `Adam` above, so that each update
+    is one graph under torch.compile: gather, forward, backward and Adam."""
+    actor, q_target, alpha = sac.actor, sac.q_target, sac.alpha
     q_optimizer, actor_optimizer, a_optimizer = sac.q_optimizer, sac.actor_optimizer, sac.a_optimizer
+    action_scale, action_bias = actor.action_scale, actor.action_bias
     gamma, tau, autotune = args.gamma, args.tau, args.autotune
     target_entropy = -float(n_act)
-    # The actor's loss reads the critics through detached parameters: the critics' weight
-    # gradients, which CleanRL computes there and throws away at the next critic step, are
-    # never computed (half of the critics' backward matmuls in the actor step).
-    q_detached = {k: v.detach() for k, v in q_params.items()}
+    # What torch.func differentiates with respect to: the detached parameters that Adam updates
+    # in place (the modules' parameters share their storage).
+    q_params, actor_params = q_optimizer.params, actor_optimizer.params
+
+    def critic_loss(q_params, obs_act, next_q_value):
+        q_a_values = critic(q_params, obs_act).view(2, -1)
+        q_losses = (q_a_values - next_q_value).pow(2).mean(1)
+        qf_loss = q_losses.sum()
+        return qf_loss, torch.stack([q_a_values[0].mean(), q_a_values[1].mean(), q_losses[0], q_losses[1], qf_loss]).detach()
+
+    def actor_loss(actor_params, obs):
+        pi, log_pi, _ = squashed_sample(*torch.func.functional_call(actor, actor_params, (obs,)), action_scale, action_bias)
+        # The critics' parameters are constants here: their weight gradients, which CleanRL
+        # computes in this step and throws away at the next critic step, are never computed
+        # (half of the critics' backward matmuls in the actor step).
+        min_qf_pi = critic(q_params, torch.cat([obs, pi], 1)).min(0).values
+        return ((alpha * log_pi) - min_qf_pi).mean()
+
+    def alpha_loss(log_alpha, log_pi):
+        return (-log_alpha.exp() * (log_pi + target_entropy)).mean()
+
+    critic_grad = torch.func.grad(critic_loss, has_aux=True)
+    actor_grad = torch.func.grad_and_value(actor_loss)
+    alpha_grad = torch.func.grad_and_value(alpha_loss)
 
     def update_critic(idx):
         obs_act, _, _, reward, next_obs, termination = split_rows(storage[idx], n_obs, n_act)
@@ -368,37 +427,25 @@ def make_update(sac, storage, n_obs, n_act, args):
             min_qf_next_target = q_next_target.min(0).values - alpha * next_state_log_pi
             next_q_value = reward + (1 - termination) * gamma * min_qf_next_target.view(-1)
 
-        q_a_values = critic(q_params, obs_act).view(2, -1)
-        q_losses = (q_a_values - next_q_value).pow(2).mean(1)
-        qf_loss = q_losses.sum()
-
-        q_optimizer.zero_grad()
-        qf_loss.backward()
-        q_optimizer.step()
-        return torch.stack([q_a_values[0].mean(), q_a_values[1].mean(), q_losses[0], q_losses[1], qf_loss]).detach()
+        grads, stats = critic_grad(q_params, obs_act, next_q_value)
+        q_optimizer.step(grads)
+        return stats
 
     def update_actor(idx):
         obs = storage[idx, :n_obs]
-        pi, log_pi, _ = actor.get_action(obs)
-        min_qf_pi = critic(q_detached, torch.cat([obs, pi], 1)).min(0).values
-        actor_loss = ((alpha * log_pi) - min_qf_pi).mean()
-
-        actor_optimizer.zero_grad()
-        actor_loss.backward()
-        actor_optimizer.step()
+        grads, loss = actor_grad(actor_params, obs)
+        actor_optimizer.step(grads)
 
         if autotune:
             with torch.no_grad():
                 _, log_pi, _ = actor.get_action(obs)
-            alpha_loss = (-log_alpha.exp() * (log_pi + target_entropy)).mean()
-
-            a_optimizer.zero_grad()
-            alpha_loss.backward()
-            a_optimizer.step()
-            alpha.copy_(log_alpha.detach().exp())
+            log_alpha = a_optimizer.params["log_alpha"]
+            grad, a_loss = alpha_grad(log_alpha, log_pi)
+            a_optimizer.step({"log_alpha": grad})
+            alpha.copy_(log_alpha.exp())
         else:
-            alpha_loss = torch.zeros((), device=obs.device)
-        return torch.stack([actor_loss, alpha_loss, alpha.view(())]).detach()
+            a_loss = torch.zeros((), device=obs.device)
+        return torch.stack([loss, a_loss, alpha.view(())]).detach()
 
     def update_target():
         # target <- tau * online + (1 - tau) * target for all twelve tensors in one foreach op,
@@ -482,32 +529,27 @@ def main(args: Args):
     action_low, action_high = envs.single_action_space.low, envs.single_action_space.high
 
     checkpoint = load_checkpoint(args.load_model) if args.load_model else None
-    # capturable=True keeps Adam's step count on the device, which CUDA graphs need. On a CPU,
-    # the fused Adam kernel saves its share of a SAC step (11.8 ms against 12.0 ms measured on
-    # a 2-core CPU, one thread, loaded machine); on CUDA the compiled or graphed update fuses
-    # Adam anyway.
-    capturable = cudagraphs and not args.compile
-    sac = make_learner(n_obs, n_act, action_low, action_high, args, device, checkpoint, capturable=capturable, fused=device.type == "cpu")
+    # Adam: fused (one kernel for all parameters) when the updates run eager; the single-tensor
+    # loop, which inductor fuses into the update's graph, when they are compiled. On CUDA its
+    # step counts live on the device (capturable): no host sync, and CUDA graphs can capture it.
+    sac = make_learner(n_obs, n_act, action_low, action_high, args, device, checkpoint, capturable=device.type == "cuda", fused=not args.compile)
 
     rb = ReplayBuffer(args.buffer_size, n_obs, n_act, device)
     update_critic, update_actor, update_target = make_update(sac, rb.storage, n_obs, n_act, args)
     policy = make_policy(sac.actor_detach)
-    # What --compile compiles, measured on a 2-core CPU with torch 2.13 (batch 256, one thread,
-    # loaded machine; min of 6 runs of 30 steps): nothing there. A SAC step (critic step, actor
-    # step, target update) took 11.9 ms eager and 16.3 ms with both updates compiled, 17.6 ms
-    # with only the actor's: the matmuls (extern BLAS calls either way) dominate, and inductor's
-    # AVX-512 code stores the ReLU masks that the backward keeps as bools ~16x slower than
-    # eager here (1.75 ms against 0.11 ms for one 2x256x256 mask; simdlen=8 avoids that but the
-    # step stayed slower than eager). The policy, for one observation, is slower compiled on a
-    # CPU too (guards cost more than fusion saves). On CUDA all three are compiled: there
-    # kernel launches, not arithmetic, bound these small networks.
+    # What --compile compiles, measured on a 2-core CPU with torch 2.13 (batch 256, HalfCheetah
+    # sizes, one thread, CPU time, median of 7 rounds of 10 steps): the updates. A SAC step
+    # (critic step, actor step, target update) took 11.8 ms eager and 7.9 ms with both updates
+    # compiled, each one graph (gather, forward, torch.func backward, Adam). Written with
+    # loss.backward() and optim.Adam, the compiled step broke into several graphs and took
+    # 16.3 ms against 11.9 ms eager. The policy, for one observation, stays eager on a CPU,
+    # where it measured slower compiled (guards cost more than fusion saves); on CUDA, where
+    # kernel launches bound these small networks, it is compiled too.
     if args.compile:
+        update_critic = torch.compile(update_critic, fullgraph=True)
+        update_actor = torch.compile(update_actor, fullgraph=True)
         if device.type == "cuda":
-            update_critic = torch.compile(update_critic)
-            update_actor = torch.compile(update_actor)
             policy = torch.compile(policy)
-        else:
-            print("notice: --compile compiles nothing on a CPU for this script (measured slower there; see the comment in the script)", file=sys.stderr)
     if cudagraphs:
         update_critic = CudaGraphModule(update_critic)
         update_actor = CudaGraphModule(update_actor)

@@ -27,11 +27,11 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.optim as optim
 import tqdm
 import tyro
 from tensordict import TensorDict, from_module, from_modules
 from tensordict.nn import CudaGraphModule
+from torch.optim.adam import adam
 
 
 @dataclass
@@ -279,6 +279,38 @@ def first_q(params, obs, action):
     return F.linear(x, params["fc3.weight"][0], params["fc3.bias"][0])
 
 
+class Adam:
+    """`optim.Adam` with its defaults, as a call on tensors: torch's functional `adam` (the code
+    `optim.Adam.step()` runs) on state kept here, given the gradients by parameter name. Inside a
+    compiled update it traces into the update's single graph. `loss.backward()` and
+    `optimizer.step()` there break the graph instead, and dynamo then compiles Adam's step on its
+    own, once per optimizer (seen on CUDA as recompiles).
+
+    `params` are detached views of the parameters, updated in place: the update differentiates
+    with respect to them. `fused`: one kernel for all the parameters, for eager updates; compiled
+    updates take the single-tensor loop, which inductor fuses. `capturable`: the step counts
+    stay on the device, so a step never syncs with the host and can be captured in a CUDA graph."""
+
+    def __init__(self, named_params, lr, fused=False, capturable=False):
+        self.params = {name: p.detach() for name, p in named_params}
+        self.exp_avgs = [torch.zeros_like(p) for p in self.params.values()]
+        self.exp_avg_sqs = [torch.zeros_like(p) for p in self.params.values()]
+        self.steps = [torch.zeros((), device=p.device) for p in self.params.values()]
+        self.lr, self.fused, self.capturable = lr, fused, capturable
+
+    @torch.no_grad()
+    def step(self, grads):
+        # torch.func returns a weight's gradient in the layout the backward made it (transposed,
+        # for a weight used as `w.mT`); the fused kernel reads it as if laid out like the weight
+        # (seen on a CPU, torch 2.13: wrong steps for the transposed weights).
+        grads = [grads[name].contiguous() for name in self.params]
+        adam(
+            list(self.params.values()), grads, self.exp_avgs, self.exp_avg_sqs, [], self.steps,
+            foreach=False, fused=self.fused or None, capturable=self.capturable,
+            amsgrad=False, beta1=0.9, beta2=0.999, lr=self.lr, weight_decay=0.0, eps=1e-8, maximize=False,
+        )
+
+
 def make_learner(actor, qf1, qf2, action_low, action_high, args, adam_options=None):
     """Everything the update reads and writes, built from the three online networks.
 
@@ -290,7 +322,8 @@ def make_learner(actor, qf1, qf2, action_low, action_high, args, adam_options=No
       bookkeeping per step, and every optimizer step is visible to it at once;
     - the targets, as copies: `q_target_params` and `target_actor`, whose tensors are the
       leaves of `targets`, paired key by key with the online ones in `online` for one lerp_;
-    - one Adam per loss, built with `adam_options` (fused, capturable: see main)."""
+    - one Adam per loss, built with `adam_options` (fused, capturable: see main), over the
+      detached parameters that the update differentiates with torch.func."""
     n_obs, n_act = actor.fc1.in_features, actor.fc_mu.out_features
     q_stacked = from_modules(qf1, qf2, as_module=True)
     q_target_stacked = q_stacked.data.clone()
@@ -312,8 +345,8 @@ def make_learner(actor, qf1, qf2, action_low, action_high, args, adam_options=No
         q_target_params={".".join(k): v for k, v in q_target_stacked.items(True, True)},
         online=TensorDict(actor=actor_online, qnet=q_stacked.data),
         targets=TensorDict(actor=actor_target_params, qnet=q_target_stacked),
-        q_optimizer=optim.Adam(q_params.values(), lr=args.learning_rate, **(adam_options or {})),
-        actor_optimizer=optim.Adam(actor.parameters(), lr=args.learning_rate, **(adam_options or {})),
+        q_optimizer=Adam(q_params.items(), args.learning_rate, **(adam_options or {})),
+        actor_optimizer=Adam(actor.named_parameters(), args.learning_rate, **(adam_options or {})),
     )
 
 
@@ -339,32 +372,43 @@ def make_target(learner, rb, args):
 def make_update(learner, sample_and_target):
     """The two update steps: critics only, and critics then actor (every `policy_frequency`-th).
     Two functions rather than one with a flag: under torch.compile a flag would recompile the
-    same code for its second value."""
-    actor, q_params = learner.actor, learner.q_params
+    same code for its second value.
+
+    Gradients come from torch.func and the steps from `Adam` above, so that each update is one
+    graph under torch.compile: sampling, target, both losses, backward and Adam."""
+    actor = learner.actor
     q_optimizer, actor_optimizer = learner.q_optimizer, learner.actor_optimizer
+    # What torch.func differentiates with respect to: the detached parameters that Adam updates
+    # in place (the modules' parameters share their storage).
+    q_params, actor_params = q_optimizer.params, actor_optimizer.params
+
+    def critic_loss(params, obs, actions, next_q_value):
+        qf_a_values = twin_q(params, obs, actions).view(2, -1)
+        qf_losses = (qf_a_values - next_q_value).pow(2).mean(1)
+        return qf_losses.sum(), torch.cat([qf_a_values.mean(1), qf_losses]).detach()
+
+    def actor_loss(params, obs):
+        # The first critic after its step, as in CleanRL; its parameters are constants here, so
+        # only the gradient with respect to the action flows back, not the critic's weights'.
+        return -first_q(q_params, obs, torch.func.functional_call(actor, params, (obs,))).mean()
+
+    critic_grad = torch.func.grad(critic_loss, has_aux=True)
+    actor_grad = torch.func.grad_and_value(actor_loss)
 
     def critic_step():
         obs, actions, next_q_value = sample_and_target()
-        qf_a_values = twin_q(q_params, obs, actions).view(2, -1)
-        qf_losses = (qf_a_values - next_q_value).pow(2).mean(1)
-        q_optimizer.zero_grad()
-        qf_losses.sum().backward()
-        q_optimizer.step()
-        return obs, torch.cat([qf_a_values.detach().mean(1), qf_losses.detach()])
+        grads, stats = critic_grad(q_params, obs, actions, next_q_value)
+        q_optimizer.step(grads)
+        return obs, stats
 
     def update_critic():
         return critic_step()[1]
 
     def update_critic_and_actor():
         obs, stats = critic_step()
-        # The first critic after its step, as in CleanRL; detached, so the backward computes
-        # the gradient with respect to the action only, not the critic's weight gradients.
-        qf1_params = {name: p.detach() for name, p in q_params.items()}
-        actor_loss = -first_q(qf1_params, obs, actor(obs)).mean()
-        actor_optimizer.zero_grad()
-        actor_loss.backward()
-        actor_optimizer.step()
-        return torch.cat([stats, actor_loss.detach().view(1)])
+        grads, loss = actor_grad(actor_params, obs)
+        actor_optimizer.step(grads)
+        return torch.cat([stats, loss.detach().view(1)])
 
     return update_critic, update_critic_and_actor
 
@@ -456,35 +500,29 @@ def main(args: Args):
     if args.load_model:
         load_checkpoint(args.load_model, {"actor": actor, "qf1": qf1, "qf2": qf2})
 
-    # What --compile compiles, measured on the 2-core CPU this was written on (torch 2.13, one
-    # thread, CPU time, median of 3, a machine shared with other jobs: see
-    # README, TD3 section):
-    # - the updates: 7.9 ms eager, 10.4 ms compiled per update (batch 256). The matmuls run in
-    #   the same BLAS calls either way, and inductor's CPU kernels that store the ReLU masks as
-    #   bool (which the backward reads) run about 10x slower than eager here (a 2x256x256 mask:
-    #   1.8 ms against 0.16 ms); the forward-only target alone compiled was within noise of eager;
-    # - the policy: 0.10 ms eager, 0.13 ms compiled for one observation (guards cost more than
-    #   fusion saves).
-    # So on a CPU --compile compiles nothing and says so; on CUDA, where kernel launches
-    # dominate, it compiles both updates (batch sampling fused in) and the policy.
-    compile_update = args.compile and device.type == "cuda"
-    if args.compile and not compile_update:
-        print("notice: --compile compiles nothing on a CPU, where eager TD3 is faster; running eager", file=sys.stderr)
-    # Eager: fused Adam, one kernel for all parameters of each optimizer instead of about ten
-    # per parameter (0-1.3 ms less per update here). Compiled: the default Adam, which inductor
-    # fuses itself. capturable=True (Adam's step count on the device) is what CUDA graphs need
-    # without compile, as in the PPO script.
-    capturable = cudagraphs and not args.compile
-    adam_options = {"capturable": capturable} if compile_update else {"fused": True, "capturable": capturable}
+    # What --compile compiles, measured on a 2-core CPU with torch 2.13 (batch 256, HalfCheetah
+    # sizes, one thread, CPU time, median of 7 rounds of 20 steps): the updates. A critic step
+    # plus a critic-and-actor step took 7.3 ms each eager and 5.5 ms compiled, each one graph
+    # (sampling, target, forward, torch.func backward, Adam). Written with loss.backward() and
+    # optim.Adam, the compiled updates broke into several graphs and took 10.4 ms against 7.9 ms
+    # eager. The policy, for one observation, stays eager on a CPU (0.10 ms eager, 0.13 ms
+    # compiled: guards cost more than fusion saves); on CUDA, where kernel launches bound these
+    # small networks, it is compiled too.
+    # Adam: fused (one kernel for all parameters of each optimizer instead of about ten per
+    # parameter) when the updates run eager; the single-tensor loop, which inductor fuses into
+    # the update's graph, when they are compiled. On CUDA its step counts live on the device
+    # (capturable): no host sync per step, and CUDA graphs can capture it.
+    adam_options = {"fused": not args.compile, "capturable": device.type == "cuda"}
     learner = make_learner(actor, qf1, qf2, action_low, action_high, args, adam_options)
     rb = ReplayBuffer(args.buffer_size, n_obs, n_act, device)
     policy = make_policy(learner.actor_detach, args.exploration_noise, action_low, action_high)
     update_critic, update_critic_and_actor = make_update(learner, make_target(learner, rb, args))
     soft_update = make_soft_update(learner.targets, learner.online, args.tau)
-    if compile_update:
-        update_critic = torch.compile(update_critic)
-        update_critic_and_actor = torch.compile(update_critic_and_actor)
-        policy = torch.compile(policy)
+    if args.compile:
+        update_critic = torch.compile(update_critic, fullgraph=True)
+        update_critic_and_actor = torch.compile(update_critic_and_actor, fullgraph=True)
+        if device.type == "cuda":
+            policy = torch.compile(policy)
     if cudagraphs:
         update_critic = CudaGraphModule(update_critic, device=device)
         update_critic_and_actor = CudaGraphModule(update_critic_and_actor, device=device)

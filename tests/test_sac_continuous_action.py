@@ -59,7 +59,8 @@ def test_compiled_update_matches_eager(inductor_fallback_random):
     args = lean_args(module)
     eager_sac, _, (eager_critic, eager_actor, eager_target) = make_lean(module, n_obs, n_act, 0, rows, args)
     comp_sac, _, (comp_critic, comp_actor, comp_target) = make_lean(module, n_obs, n_act, 0, rows, args)
-    comp_critic, comp_actor = torch.compile(comp_critic), torch.compile(comp_actor)
+    # fullgraph: each update is one graph (a graph break raises), as main compiles it.
+    comp_critic, comp_actor = torch.compile(comp_critic, fullgraph=True), torch.compile(comp_actor, fullgraph=True)
     torch.testing.assert_close(all_state(eager_sac), all_state(comp_sac), rtol=0, atol=0)
 
     for step in range(3):

@@ -51,6 +51,10 @@ def test_lean_script_runs(script, mode, workdir):
     if "cudagraphs" in mode and not torch.cuda.is_available():
         assert proc.stderr.count(CUDA_NOTICE) == 1, proc.stderr[-2000:]
         assert summary["cudagraphs"] is False
+    else:
+        # On CUDA the graphs are really used, and no fallback notice is printed.
+        assert CUDA_NOTICE not in proc.stderr
+        assert summary["cudagraphs"] is ("cudagraphs" in mode)
 
 
 @pytest.mark.parametrize("script", ALL, ids=lambda s: s.stem)

@@ -41,13 +41,14 @@ def make_lean(lean, networks, compiled, batch_size=64):
     args = lean.Args(batch_size=batch_size, buffer_size=512)
     low, high = -torch.ones(N_ACT), torch.ones(N_ACT)
     actor, qf1, qf2 = copy.deepcopy(networks)
-    # The optimizer each mode runs with in main: fused Adam eager, the default Adam compiled.
+    # The optimizer each mode runs with in main: fused Adam eager, the single-tensor Adam compiled.
     learner = lean.make_learner(actor, qf1, qf2, low, high, args, {} if compiled else {"fused": True})
     rb = lean.ReplayBuffer(args.buffer_size, N_OBS, N_ACT, torch.device("cpu"))
     fill(rb, 300, torch.Generator().manual_seed(2))
     update_critic, update_both = lean.make_update(learner, lean.make_target(learner, rb, args))
     if compiled:
-        update_critic, update_both = torch.compile(update_critic), torch.compile(update_both)
+        # fullgraph: each update is one graph (a graph break raises), as main compiles it.
+        update_critic, update_both = (torch.compile(f, fullgraph=True) for f in (update_critic, update_both))
     return learner, update_critic, update_both, lean.make_soft_update(learner.targets, learner.online, args.tau), rb
 
 
@@ -57,7 +58,7 @@ def test_compiled_update_matches_eager(inductor_fallback_random):
     loss, Adam, lerp_ targets) agree with four eager ones: the losses and every parameter.
 
     Tolerance: rtol 1e-4, atol 1e-5. Inductor reorders float32 reductions (and the eager side
-    runs fused Adam, the compiled side the default Adam), which moves results by ~1e-6; a
+    runs fused Adam, the compiled side the single-tensor one), which moves results by ~1e-6; a
     wrong coefficient, a swapped critic or a dropped term moves them by 1e-3 or more.
     fallback_random makes compiled code draw from the eager random stream."""
     import torch._dynamo.utils
