@@ -502,7 +502,7 @@ def main(args: Args):
 
     # What --compile compiles, measured on a 2-core CPU with torch 2.13 (batch 256, HalfCheetah
     # sizes, one thread, CPU time, median of 7 rounds of 20 steps): the updates. A critic step
-    # plus a critic-and-actor step took 7.3 ms each eager and 5.5 ms compiled, each one graph
+    # plus a critic-and-actor step took 7.3 ms per update eager and 5.5 ms compiled, each one graph
     # (sampling, target, forward, torch.func backward, Adam). Written with loss.backward() and
     # optim.Adam, the compiled updates broke into several graphs and took 10.4 ms against 7.9 ms
     # eager. The policy, for one observation, stays eager on a CPU (0.10 ms eager, 0.13 ms
