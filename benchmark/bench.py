@@ -56,8 +56,8 @@ FAMILIES = {
         "num_envs": 1,
         "args": ["--num-steps", "2048"],
         # Iterations of 2048 steps, the first of them warm-up: full 11 (20,480 steps measured),
-        # quick 4 (6,144 measured).
-        "budget": {"full": 22528, "quick": 8192, "tiny": 256},
+        # quick 3 (4,096 measured).
+        "budget": {"full": 22528, "quick": 6144, "tiny": 256},
         "tiny_args": ["--env-id", "InvertedPendulum-v5", "--num-steps", "64", "--num-minibatches", "2", "--update-epochs", "2"],
         "off_policy": False,
     },
@@ -65,8 +65,9 @@ FAMILIES = {
         "env_id": "HalfCheetah-v5",
         "num_envs": 1,
         "args": ["--learning-starts", "1000"],
-        # Updates after learning starts: full 6,000, quick 500; warm-up is the first two.
-        "budget": {"full": 7000, "quick": 1500, "tiny": 200},
+        # Updates after learning starts: full 6,000, quick 300. Timing starts at the first log
+        # line after the first two updates (step 1,100), so quick measures 200 steps.
+        "budget": {"full": 7000, "quick": 1300, "tiny": 200},
         "tiny_args": ["--env-id", "Pendulum-v1", "--learning-starts", "64", "--batch-size", "32"],
         "off_policy": True,
     },
@@ -74,7 +75,7 @@ FAMILIES = {
         "env_id": "HalfCheetah-v5",
         "num_envs": 1,
         "args": ["--learning-starts", "1000"],
-        "budget": {"full": 7000, "quick": 1500, "tiny": 200},
+        "budget": {"full": 7000, "quick": 1300, "tiny": 200},
         "tiny_args": ["--env-id", "Pendulum-v1", "--learning-starts", "64", "--batch-size", "32"],
         "off_policy": True,
     },
@@ -91,8 +92,8 @@ FAMILIES = {
         "num_envs": 8,
         "args": [],
         # Iterations of 8 x 128 steps, the first of them warm-up: full 12 (11,264 steps
-        # measured), quick 3 (2,048 measured).
-        "budget": {"full": 12288, "quick": 3072, "tiny": 64},
+        # measured), quick 2 (1,024 measured).
+        "budget": {"full": 12288, "quick": 2048, "tiny": 64},
         "tiny_args": ["--num-envs", "2", "--num-steps", "16"],
         "off_policy": False,
     },
@@ -327,7 +328,7 @@ def run_one(script, argv, log_dir, timeout, core):
     return summary, log, done_at
 
 
-def env_ceiling(env_id, num_envs, envpool_env=False, seconds=10.0):
+def env_ceiling(env_id, num_envs, envpool_env=False, seconds=5.0):
     """Steps per second of the env alone: random actions, no learning, same vector API; and the
     time.monotonic() window it was timed over."""
     import numpy as np
@@ -384,7 +385,7 @@ json.dump({"matmuls": seen, "summary": summary}, open(out, "w"))
 """
 
 
-def arithmetic_ceiling(family, work_dir, seconds=5.0):
+def arithmetic_ceiling(family, work_dir, seconds=3.0):
     """Steps per second if a training step cost only its matrix multiplies.
 
     A short eager run of the plain script records every matmul (shapes and transposition);
@@ -474,9 +475,10 @@ def t_99(dof):
     return T_99[max(k for k in T_99 if k <= dof)] if dof <= 30 else 2.576
 
 
-def repeat_bands(cells):
+def repeat_bands(cells, drift=0.0):
     """Per cell (key -> steps/s of its runs): the half-width of the band around its median in
-    which a rerun's median should fall (99%); None for a cell of one run.
+    which a rerun's median should fall (99%); None for a cell of one run. `drift`: the host's
+    run-to-run drift of a median (relative standard deviation, see host_drift).
 
     The min-max over seeds is not such a band: for two runs of five seeds of pure, independent
     noise, each median lies inside the other's min-max in a given cell 72% of the time, and in
@@ -486,7 +488,11 @@ def repeat_bands(cells):
     hold together about 86% of the time (0.99 ** 15) if each band were exact (`compare` asks for
     each median inside the other's band, which is stricter). Five seeds can also agree by chance (five TD3
     runs within 2% of each other, then a rerun 5% off), so no band is narrower than the one the
-    relative spread pooled over all cells of the benchmark gives."""
+    relative spread pooled over all cells of the benchmark gives.
+
+    The spread over seeds is all within one benchmark; a rerun also meets another state of the
+    host, which moves every run of a cell together. Each of the two medians carries its own such
+    shift, so that part adds 2.576 * sqrt(2) * drift in quadrature."""
     spread = {key: statistics.stdev(v) / statistics.mean(v) for key, v in cells.items() if len(v) > 1}
     dof = sum(len(cells[key]) - 1 for key in spread)
     pooled = math.sqrt(sum((len(cells[key]) - 1) * sd**2 for key, sd in spread.items()) / dof) if dof else 0.0
@@ -496,9 +502,52 @@ def repeat_bands(cells):
         if n < 2:
             bands[key] = None
             continue
-        relative = max(t_99(n - 1) * spread[key], t_99(dof) * pooled)
-        bands[key] = relative * math.sqrt(math.pi / 2) * math.sqrt(2 / n) * statistics.median(values)
+        relative = max(t_99(n - 1) * spread[key], t_99(dof) * pooled) * math.sqrt(math.pi / 2) * math.sqrt(2 / n)
+        relative = math.hypot(relative, 2.576 * math.sqrt(2) * drift)
+        bands[key] = relative * statistics.median(values)
     return bands
+
+
+# Earlier quick benchmarks of this project's machine, all of one version of the scripts, from
+# which host_drift works out the host's run-to-run drift for the repeat bands (README, "Does it
+# repeat?"). Runs of another machine (ceilings.json beside them) are not used.
+DRIFT_RUNS = [f"benchmark/results/calibration/D{i}" for i in range(1, 5)] + [f"benchmark/results/repeats/E{i}" for i in range(1, 5)]
+
+
+def host_drift(histories):
+    """The relative standard deviation by which a cell's median moves from one benchmark to the
+    next beyond what its spread over seeds explains, pooled over the cells of earlier runs of
+    the same scripts (`histories`: lists of records, one per benchmark): the variance of the
+    log medians between benchmarks minus the mean sampling variance of one median. Also returns
+    the number of benchmarks it came from; (0.0, n) below two."""
+    logs, sampling = {}, {}
+    for results in histories:
+        for key, cell in by_cell(results).items():
+            values = [speed(r) for r in cell]
+            if len(values) > 1:
+                logs.setdefault(key, []).append(math.log(statistics.median(values)))
+                sampling.setdefault(key, []).append(math.pi / 2 * (statistics.stdev(values) / statistics.mean(values)) ** 2 / len(values))
+    cells = [key for key, medians in logs.items() if len(medians) > 1]
+    dof = sum(len(logs[key]) - 1 for key in cells)
+    if not dof:
+        return 0.0, len(histories)
+    between = sum((x - statistics.fmean(logs[key])) ** 2 for key in cells for x in logs[key]) / dof
+    within = statistics.fmean(v for key in cells for v in sampling[key])
+    return math.sqrt(max(0.0, between - within)), len(histories)
+
+
+def drift_of_machine(info, skip=()):
+    """host_drift over the DRIFT_RUNS measured on the machine `info` describes (CPU, cores, GPU),
+    leaving out the results files in `skip` (a run is not its own history)."""
+    histories = []
+    for folder in DRIFT_RUNS:
+        path = ROOT / folder / "results.jsonl"
+        if not path.exists() or path.resolve() in {Path(p).resolve() for p in skip}:
+            continue
+        _, saved = read_ceilings(path.parent / "ceilings.json")
+        if all(saved.get(k) == info.get(k) for k in ("cpu", "cores", "gpu")):
+            histories.append(read_results(path))
+    return host_drift(histories)
 
 
 def speed(record):
@@ -518,8 +567,9 @@ def by_cell(results):
     return cells
 
 
-def summarize(results, skipped, ceilings, info):
-    """The Markdown table: per family and mode, the median over seeds and its min-max."""
+def summarize(results, skipped, ceilings, info, drift=(0.0, 0)):
+    """The Markdown table: per family and mode, the median over seeds and its min-max.
+    `drift`: host_drift's (relative drift, number of benchmarks) for the repeat bands."""
     rows = [
         f"Machine: {info['cpu']}, {info['cores']} cores, GPU: {info['gpu'] or 'none'}; torch {info['torch']}, Python {info['python']}.",
         f"Command: `{info['command']}` (profile `{info['profile']}`, seeds {info['seeds']}).",
@@ -529,7 +579,7 @@ def summarize(results, skipped, ceilings, info):
     ]
     cells = by_cell(results)
     speeds = {key: [speed(r) for r in cell] for key, cell in cells.items()}
-    bands = repeat_bands(speeds)
+    bands = repeat_bands(speeds, drift[0])
     for fam in dict.fromkeys(r["family"] for r in results):
         plain_sps = {r["seed"]: speed(r) for r in cells.get((fam, "plain"), [])}
         ceil = ceilings.get(fam, {})
@@ -564,7 +614,9 @@ def summarize(results, skipped, ceilings, info):
     rows += [
         "",
         f"Each run and each ceiling ran pinned to one core beside a probe that measures that core's speed; steps/s at the reference core speed are raw steps/s x ({REFERENCE_CORE_SPEED:g} / the probe's mean over the run's timed window) ** e, the probe in units per CPU-second and e the cell's ELASTICITY in benchmark/bench.py (1.0 for ceilings).",
-        "repeat band: the noise band of each median, where a rerun's median should fall (99%; from the spread over seeds, see `repeat_bands` in benchmark/bench.py). min-max: over seeds. vs plain: the median over seeds of each run's steps/s over the plain script's run of the same seed, run just before it.",
+        "repeat band: the noise band of each median, where a rerun's median should fall (99%; from the spread over seeds and the host's drift between benchmarks, see `repeat_bands` in benchmark/bench.py). "
+        + (f"The host's drift, {drift[0]:.1%} per median, is worked out from {drift[1]} earlier benchmarks of this machine (DRIFT_RUNS). " if drift[1] > 1 else "No earlier benchmarks of this machine (DRIFT_RUNS): the bands leave out the host's drift between benchmarks. ")
+        + "min-max: over seeds. vs plain: the median over seeds of each run's steps/s over the plain script's run of the same seed, run just before it.",
     ]
     unprobed = sum(not r.get("core_speed") for r in results)
     if unprobed:
@@ -582,16 +634,17 @@ def summarize(results, skipped, ceilings, info):
     return "\n".join(rows) + "\n"
 
 
-def compare(first, second):
+def compare(first, second, drift=0.0):
     """Check a second benchmark run against a first one, cell by cell (family and mode).
 
     A cell repeats when each run's median lies inside the other run's repeat band (the noise
-    band the table reports); a cell of one run has no band and is not judged. Returns the
+    band the table reports, with the host's `drift`); a cell of one run has no band and is not
+    judged. Returns the
     Markdown lines and the number of cells that did not repeat."""
 
     def bands(results):
         sps = {key: [speed(r) for r in cell] for key, cell in by_cell(results).items()}
-        band = repeat_bands(sps)
+        band = repeat_bands(sps, drift)
         return {key: (statistics.median(v), band[key]) for key, v in sps.items()}
 
     def shown(median, band):
@@ -691,8 +744,11 @@ def main(argv=None):
         return 0
 
     if args.compare:
-        rows, outside = compare(*map(read_results, args.compare))
+        saved = args.compare[0].parent / "ceilings.json"
+        drift, n = drift_of_machine(read_ceilings(saved)[1] if saved.exists() else machine(), skip=args.compare)
+        rows, outside = compare(*map(read_results, args.compare), drift)
         print("\n".join(rows))
+        print(f"The host's drift between benchmarks, {drift:.1%} per median, from {n} earlier benchmarks of this machine (DRIFT_RUNS)." if n > 1 else "No earlier benchmarks of this machine (DRIFT_RUNS): the bands leave out the host's drift between benchmarks.")
         return 1 if outside else 0
 
     import torch
@@ -751,7 +807,7 @@ def main(argv=None):
             probe.close()
     (out / "ceilings.json").write_text(json.dumps({"machine": info, "ceilings": ceilings}, indent=1))
 
-    table = summarize(results, skipped, ceilings, info)
+    table = summarize(results, skipped, ceilings, info, drift_of_machine(info, skip=[args.results] if args.results else []))
     (out / "table.md").write_text(table)
     plots = plot(results, out) if results else []
     print(table)

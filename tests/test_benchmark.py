@@ -95,6 +95,49 @@ def test_repeat_bands_from_each_cells_spread_with_a_pooled_floor():
     assert bands["single"] is None
 
 
+def test_repeat_bands_add_the_hosts_drift_in_quadrature():
+    bench = load_bench()
+    cells = {"a": [80, 90, 100, 110, 120], "b": [99, 100, 100, 100, 101]}
+    without, drifting = bench.repeat_bands(cells), bench.repeat_bands(cells, drift=0.02)
+    for key in cells:
+        assert math.isclose(drifting[key], math.hypot(without[key], 2.576 * math.sqrt(2) * 0.02 * 100))
+
+
+def test_host_drift_is_what_the_medians_move_beyond_their_sampling_error():
+    bench = load_bench()
+
+    def run(scale, values=(100, 100, 100)):
+        return [{"family": fam, "mode": "plain", "sps": v * scale} for fam in ("ppo", "dqn") for v in values]
+
+    # every cell 10% faster in the second run, no spread over seeds: all of it is drift
+    drift, n = bench.host_drift([run(1.0), run(1.1)])
+    assert n == 2 and math.isclose(drift, math.log(1.1) / math.sqrt(2))
+    # medians that move less than their seeds' spread explains: no drift
+    assert bench.host_drift([run(1.0, (80, 100, 120)), run(1.01, (80, 100, 120))])[0] == 0.0
+    # one benchmark alone says nothing about the next
+    assert bench.host_drift([run(1.0)]) == (0.0, 1)
+
+
+def test_drift_comes_from_earlier_runs_of_the_same_machine_only(tmp_path, monkeypatch):
+    bench = load_bench()
+    here = {"cpu": "X", "cores": 2, "gpu": None}
+
+    def save(name, scale, machine):
+        folder = tmp_path / name
+        folder.mkdir()
+        records = [{"family": "ppo", "mode": "plain", "sps": v * scale} for v in (100, 100, 100)]
+        (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        (folder / "ceilings.json").write_text(json.dumps({"machine": machine, "ceilings": {}}))
+        return folder
+
+    folders = [save("A", 1.0, here), save("B", 1.1, here), save("C", 2.0, {**here, "cpu": "Y"})]
+    monkeypatch.setattr(bench, "ROOT", tmp_path)
+    monkeypatch.setattr(bench, "DRIFT_RUNS", [f.name for f in folders])
+    drift, n = bench.drift_of_machine(here)
+    assert n == 2 and math.isclose(drift, math.log(1.1) / math.sqrt(2))
+    assert bench.drift_of_machine(here, skip=[tmp_path / "B" / "results.jsonl"]) == (0.0, 1)
+
+
 def test_compare_flags_a_median_outside_the_other_runs_band():
     bench = load_bench()
 
@@ -112,7 +155,7 @@ def test_compare_flags_a_median_outside_the_other_runs_band():
 def test_compare_needs_each_median_inside_the_narrower_band(monkeypatch):
     bench = load_bench()
     bands = iter([{("a", "compile"): 20.0, ("b", "plain"): None}, {("a", "compile"): 5.0, ("b", "plain"): None}])
-    monkeypatch.setattr(bench, "repeat_bands", lambda cells: next(bands))
+    monkeypatch.setattr(bench, "repeat_bands", lambda cells, drift=0.0: next(bands))
     first = [{"family": "a", "mode": "compile", "sps": 100}, {"family": "b", "mode": "plain", "sps": 7}]
     second = [{"family": "a", "mode": "compile", "sps": 110}, {"family": "b", "mode": "plain", "sps": 9}]
     rows, outside = bench.compare(first, second)
