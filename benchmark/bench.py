@@ -755,8 +755,8 @@ def main(argv=None):
 
     # Five seeds of short runs: three such benchmarks on this project's drifting machine, compared
     # pair by pair, kept each median inside the other's repeat band in 45 of 45 cells; a fourth, on
-    # a slower, noisier host, in 33 of 45 against them (README,
-    # "Does it repeat?").
+    # a slower, noisier host, in 33 of 45 against them (41 of 45 with the host's drift in the
+    # bands); the next two, F2 and F3, in 15 of 15 (README, "Does it repeat?").
     seeds = args.seeds or ([1] if args.profile == "tiny" else [1, 2, 3, 4, 5])
     out = (args.out or ROOT / "bench_results" / f"{args.profile}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -776,8 +776,8 @@ def main(argv=None):
     # The runs go to the last core this process may use; the harness mostly waits on the others.
     core = max(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     probe = CoreProbe(core) if not args.results or measure_ceilings else None
-    # the ceilings took 17-25 s per family on this project's machine
-    ceilings_eta = f" in the runs, then the ceilings (about {fmt_duration(25 * len(args.scripts))} here)"
+    # the ceilings took about 15 s per family on this project's machine (72 s for five, run F2)
+    ceilings_eta = f" in the runs, then the ceilings (about {fmt_duration(15 * len(args.scripts))} here)"
     try:
         results = read_results(args.results) if args.results else run_all(runs, out, args.timeout, probe, core, then=ceilings_eta if measure_ceilings else "")
         ceilings = {}
