@@ -510,7 +510,8 @@ def repeat_bands(cells, drift=0.0):
 
 # Earlier quick benchmarks of this project's machine, all of one version of the scripts, from
 # which host_drift works out the host's run-to-run drift for the repeat bands (README, "Does it
-# repeat?"). Runs of another machine (ceilings.json beside them) are not used.
+# repeat?"). Runs of another machine, or of an unknown one (no ceilings.json beside them), are
+# not used.
 DRIFT_RUNS = [f"benchmark/results/calibration/D{i}" for i in range(1, 5)] + [f"benchmark/results/repeats/E{i}" for i in range(1, 5)]
 
 
@@ -542,7 +543,7 @@ def drift_of_machine(info, skip=()):
     histories = []
     for folder in DRIFT_RUNS:
         path = ROOT / folder / "results.jsonl"
-        if not path.exists() or path.resolve() in {Path(p).resolve() for p in skip}:
+        if not path.exists() or not (path.parent / "ceilings.json").exists() or path.resolve() in {Path(p).resolve() for p in skip}:
             continue
         _, saved = read_ceilings(path.parent / "ceilings.json")
         if all(saved.get(k) == info.get(k) for k in ("cpu", "cores", "gpu")):
