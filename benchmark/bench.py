@@ -757,7 +757,7 @@ def main(argv=None):
     # Five seeds of short runs: three such benchmarks on this project's drifting machine, compared
     # pair by pair, kept each median inside the other's repeat band in 45 of 45 cells; a fourth, on
     # a slower, noisier host, in 33 of 45 against them (43 of 45 with the host's drift in the
-    # bands); the next two, F2 and F3, in 15 of 15 (README, "Does it repeat?").
+    # bands); the next three, F2, F3 and F4, in 15 of 15 pair by pair (README, "Does it repeat?").
     seeds = args.seeds or ([1] if args.profile == "tiny" else [1, 2, 3, 4, 5])
     out = (args.out or ROOT / "bench_results" / f"{args.profile}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)
