@@ -616,7 +616,7 @@ def summarize(results, skipped, ceilings, info, drift=(0.0, 0)):
         "",
         f"Each run and each ceiling ran pinned to one core beside a probe that measures that core's speed; steps/s at the reference core speed are raw steps/s x ({REFERENCE_CORE_SPEED:g} / the probe's mean over the run's timed window) ** e, the probe in units per CPU-second and e the cell's ELASTICITY in benchmark/bench.py (1.0 for ceilings).",
         "repeat band: the noise band of each median, where a rerun's median should fall (99%; from the spread over seeds and the host's drift between benchmarks, see `repeat_bands` in benchmark/bench.py). "
-        + (f"The host's drift, {drift[0]:.1%} per median, is worked out from {drift[1]} earlier benchmarks of this machine (DRIFT_RUNS). " if drift[1] > 1 else "No earlier benchmarks of this machine (DRIFT_RUNS): the bands leave out the host's drift between benchmarks. ")
+        + (f"The host's drift, {drift[0]:.1%} per median, is worked out from {drift[1]} earlier benchmarks of this machine (DRIFT_RUNS). " if drift[1] > 1 else "Fewer than two earlier benchmarks of this machine (DRIFT_RUNS): the bands leave out the host's drift between benchmarks. ")
         + "min-max: over seeds. vs plain: the median over seeds of each run's steps/s over the plain script's run of the same seed, run just before it.",
     ]
     unprobed = sum(not r.get("core_speed") for r in results)
@@ -640,8 +640,7 @@ def compare(first, second, drift=0.0):
 
     A cell repeats when each run's median lies inside the other run's repeat band (the noise
     band the table reports, with the host's `drift`); a cell of one run has no band and is not
-    judged. Returns the
-    Markdown lines and the number of cells that did not repeat."""
+    judged. Returns the Markdown lines and the number of cells that did not repeat."""
 
     def bands(results):
         sps = {key: [speed(r) for r in cell] for key, cell in by_cell(results).items()}
@@ -749,7 +748,7 @@ def main(argv=None):
         drift, n = drift_of_machine(read_ceilings(saved)[1] if saved.exists() else machine(), skip=args.compare)
         rows, outside = compare(*map(read_results, args.compare), drift)
         print("\n".join(rows))
-        print(f"The host's drift between benchmarks, {drift:.1%} per median, from {n} earlier benchmarks of this machine (DRIFT_RUNS)." if n > 1 else "No earlier benchmarks of this machine (DRIFT_RUNS): the bands leave out the host's drift between benchmarks.")
+        print(f"The host's drift between benchmarks, {drift:.1%} per median, from {n} earlier benchmarks of this machine (DRIFT_RUNS)." if n > 1 else "Fewer than two earlier benchmarks of this machine (DRIFT_RUNS): the bands leave out the host's drift between benchmarks.")
         return 1 if outside else 0
 
     import torch
