@@ -315,15 +315,15 @@ def make_learner(actor, qf1, qf2, action_low, action_high, args, adam_options=No
     """Everything the update reads and writes, built from the three online networks.
 
     - the twin critics as one TensorDict of stacked parameters (leading dimension 2,
-      `from_modules`), run by `twin_q`; `q_params` maps QNetwork's parameter names to them
-      (checkpoints are unstacked from `q_stacked`; qf1 and qf2 keep their own storage and are
-      not used after this);
+      `from_modules`), run by `twin_q` (checkpoints are unstacked from `q_stacked`; qf1 and qf2
+      keep their own storage and are not used after this);
     - `actor_detach`, a detached view of the actor's parameters for acting: no autograd
       bookkeeping per step, and every optimizer step is visible to it at once;
     - the targets, as copies: `q_target_params` and `target_actor`, whose tensors are the
       leaves of `targets`, paired key by key with the online ones in `online` for one lerp_;
     - one Adam per loss, built with `adam_options` (fused, capturable: see main), over the
-      detached parameters that the update differentiates with torch.func."""
+      detached parameters that the update differentiates with torch.func (the critics' keyed by
+      QNetwork's parameter names)."""
     n_obs, n_act = actor.fc1.in_features, actor.fc_mu.out_features
     q_stacked = from_modules(qf1, qf2, as_module=True)
     q_target_stacked = q_stacked.data.clone()
@@ -341,7 +341,6 @@ def make_learner(actor, qf1, qf2, action_low, action_high, args, adam_options=No
         actor_detach=actor_detach,
         target_actor=target_actor,
         q_stacked=q_stacked,
-        q_params=q_params,
         q_target_params={".".join(k): v for k, v in q_target_stacked.items(True, True)},
         online=TensorDict(actor=actor_online, qnet=q_stacked.data),
         targets=TensorDict(actor=actor_target_params, qnet=q_target_stacked),
