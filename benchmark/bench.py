@@ -540,10 +540,10 @@ def host_drift(histories):
 def drift_of_machine(info, skip=()):
     """host_drift over the DRIFT_RUNS measured on the machine `info` describes (CPU, cores, GPU),
     leaving out the results files in `skip` (a run is not its own history)."""
-    histories = []
+    histories, skipped = [], {Path(p).resolve() for p in skip}
     for folder in DRIFT_RUNS:
         path = ROOT / folder / "results.jsonl"
-        if not path.exists() or not (path.parent / "ceilings.json").exists() or path.resolve() in {Path(p).resolve() for p in skip}:
+        if not path.exists() or not (path.parent / "ceilings.json").exists() or path.resolve() in skipped:
             continue
         _, saved = read_ceilings(path.parent / "ceilings.json")
         if all(saved.get(k) == info.get(k) for k in ("cpu", "cores", "gpu")):
