@@ -1,14 +1,12 @@
 """DQN, plain PyTorch in the CleanRL style: the baseline.
 
-Deep Q-Network (Mnih et al., 2015, https://www.nature.com/articles/nature14236) with the
-implementation details and defaults of CleanRL's `dqn.py`: an MLP Q-network, a replay buffer,
-a target network, and epsilon-greedy exploration that decays linearly. Same defaults and the
-same learning as the lean script `dqn_torchcompile.py`, which is the same algorithm made fast;
-this file is what the speed-ups are measured against.
+Deep Q-Network (Mnih et al., 2015, https://www.nature.com/articles/nature14236) with the details
+and defaults of CleanRL's `dqn.py`: an MLP Q-network, a replay buffer, a target network and
+linearly decaying epsilon-greedy exploration. The lean script `dqn_torchcompile.py` learns the
+same way, faster; this file is what its speed-ups are measured against.
 
     python leanrl/dqn.py
     python leanrl/dqn.py --env-id Acrobot-v1
-    python leanrl/dqn.py --cuda false
 """
 
 import importlib.util
@@ -17,6 +15,7 @@ import math
 import os
 import random
 import resource
+import signal
 import sys
 import time
 from collections import deque
@@ -76,7 +75,7 @@ class Args:
     target_network_frequency: int = 500
     """the timesteps it takes to update the target network"""
     batch_size: int = 128
-    """the batch size of sample from the reply memory"""
+    """the batch size of sample from the replay memory"""
     start_e: float = 1.0
     """the starting epsilon for exploration"""
     end_e: float = 0.05
@@ -89,28 +88,9 @@ class Args:
     """the frequency of training"""
 
 
+ALGORITHM = "dqn"
 # Losses and the progress bar are logged every LOG_EVERY environment steps, as in CleanRL.
 LOG_EVERY = 100
-# Steps per second are counted from the first log point with this many updates done.
-WARMUP_UPDATES = 3
-
-
-def fail(message: str):
-    """Bad input ends the run with one line on stderr and exit status 2, never a traceback."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def check_args(args):
-    for name in ("num_envs", "buffer_size", "batch_size", "train_frequency", "target_network_frequency"):
-        if getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.buffer_size < args.num_envs:
-        fail(f"--buffer-size {args.buffer_size} is smaller than --num-envs {args.num_envs}: one step would not fit")
-    if args.total_timesteps < 0 or args.learning_starts < 0:
-        fail("--total-timesteps and --learning-starts must not be negative")
-    if not 0.0 <= args.tau <= 1.0:
-        fail(f"--tau must lie in [0, 1], got {args.tau}")
 
 
 def make_env(env_id, idx, capture_video, run_name):
@@ -126,27 +106,22 @@ def make_env(env_id, idx, capture_video, run_name):
     return thunk
 
 
-def make_envs(args, run_name, num_envs):
+def make_envs(args, run_name, num_envs, capture_video=False):
     """The vector env, or one clear line for an env this script cannot use."""
     if args.env_id not in gym.registry:
         fail(f"unknown environment id {args.env_id!r}: pass --env-id with a registered gymnasium id, e.g. CartPole-v1")
-    if args.capture_video:
-        if importlib.util.find_spec("moviepy") is None:
-            fail("--capture-video needs moviepy: pip install 'leanrl[video]'")
-        try:
+    if capture_video and importlib.util.find_spec("moviepy") is None:
+        fail("--capture-video needs moviepy: pip install 'leanrl[video]'")
+    try:
+        if capture_video:  # a missing renderer fails here, not at the first recorded frame
             probe = gym.make(args.env_id, render_mode="rgb_array")
             probe.reset(seed=args.seed)
             probe.render()
             probe.close()
-        except gym.error.DependencyNotInstalled as e:
-            fail(f"--capture-video of {args.env_id} needs a rendering dependency: {e}")
-    thunks = [make_env(args.env_id, i, args.capture_video, run_name) for i in range(num_envs)]
-    try:
-        # SAME_STEP autoreset: the step that ends an episode already returns the first
-        # observation of the next one, and the true last observation is in infos["final_obs"].
-        # Every step is then one real transition (stored with its true next observation), and no
-        # stored transition spans an autoreset. Under the NEXT_STEP default, the step after a done
-        # would be a reset step with no transition in it, which the loop would have to skip.
+        # SAME_STEP autoreset: the step that ends an episode returns the first observation of the
+        # next one and the true last one in infos["final_obs"], so every step is one real
+        # transition and none spans an autoreset.
+        thunks = [make_env(args.env_id, i, capture_video, run_name) for i in range(num_envs)]
         envs = gym.vector.SyncVectorEnv(thunks, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
     except gym.error.DependencyNotInstalled as e:
         fail(f"{args.env_id} needs a missing dependency ({e})")
@@ -158,8 +133,8 @@ def make_envs(args, run_name, num_envs):
 
 
 def real_next_obs(next_obs, infos):
-    """The observation each env reached: `next_obs`, except for envs whose episode just ended,
-    where `next_obs` already starts the next episode and the true last one is in infos."""
+    """The observation each env reached: `next_obs`, except where an episode just ended: there
+    `next_obs` already starts the next episode and the true last one is in infos."""
     if "final_obs" not in infos:
         return next_obs
     real = next_obs.copy()
@@ -176,8 +151,8 @@ def linear_schedule(start_e: float, end_e: float, duration: float, t: int) -> fl
 
 
 def crossings(step: int, n: int, every: int) -> int:
-    """How many multiples of `every` the step counter passed going from step - n to step:
-    with several envs the counter moves by num_envs at a time."""
+    """How many multiples of `every` the step counter passed going from step - n to step: with
+    several envs the counter moves by num_envs at a time."""
     return step // every - (step - n) // every
 
 
@@ -200,6 +175,7 @@ class ReplayBuffer:
     """A ring buffer of transitions in numpy arrays on the host, sampled uniformly."""
 
     def __init__(self, buffer_size, n_obs):
+        check_memory(buffer_size * (2 * n_obs + 3) * 4, torch.device("cpu"), f"--buffer-size {buffer_size}")
         self.obs = np.zeros((buffer_size, n_obs), dtype=np.float32)
         self.next_obs = np.zeros((buffer_size, n_obs), dtype=np.float32)
         self.actions = np.zeros((buffer_size, 1), dtype=np.int64)
@@ -219,33 +195,7 @@ class ReplayBuffer:
 
     def sample(self, batch_size, device):
         idx = np.random.randint(0, self.size, size=batch_size)
-        return tuple(
-            torch.as_tensor(x[idx], device=device) for x in (self.obs, self.actions, self.next_obs, self.dones, self.rewards)
-        )
-
-
-def atomic_save(obj, path):
-    """Write then rename: a crash mid-save leaves the previous file whole, never a broken one."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    torch.save(obj, path + ".tmp")
-    os.replace(path + ".tmp", path)
-    return path
-
-
-def save_checkpoint(path, q_state, args):
-    checkpoint = {"model": {k: v.detach().cpu() for k, v in q_state.items()}, "args": vars(args)}
-    return atomic_save(checkpoint, path)
-
-
-def load_checkpoint(path, q_network, env_id):
-    if not os.path.isfile(path):
-        fail(f"no checkpoint at {path!r}: pass --load-model with a file written by --save-model")
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    try:
-        q_network.load_state_dict(checkpoint["model"])
-    except (KeyError, RuntimeError):
-        saved_for = checkpoint.get("args", {}).get("env_id", "another env") if isinstance(checkpoint, dict) else "another env"
-        fail(f"checkpoint {path!r} holds no Q-network of {env_id}'s sizes (saved for {saved_for}): pass --env-id {saved_for}")
+        return tuple(torch.as_tensor(x[idx], device=device) for x in (self.obs, self.actions, self.next_obs, self.dones, self.rewards))
 
 
 def evaluate(q_network, args, run_name, device):
@@ -263,51 +213,240 @@ def evaluate(q_network, args, run_name, device):
     eval_envs.close()
     return float(np.mean(returns[: args.eval_episodes]))
 
+# ---------------------------------------------------------------- RUN
+# The same block in every LeanRL script: argument rules, the run's folder and metrics, signals,
+# checkpoints and the summary line. Nothing in it is specific to one algorithm.
+
+# One rule per flag, the same in every script that has the flag.
+COUNTS = ("num_envs", "num_steps", "num_minibatches", "update_epochs", "batch_size", "buffer_size",
+          "train_frequency", "target_network_frequency", "policy_frequency")
+RULES = {
+    "seed": (lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)"),
+    **{k: (lambda v: v >= 0, "0 or more") for k in ("total_timesteps", "learning_starts", "eval_episodes")},
+    **{k: (lambda v: v >= 1, "1 or more") for k in COUNTS},
+    **{k: (lambda v: math.isfinite(v) and v > 0, "a finite number > 0") for k in ("learning_rate", "q_lr", "policy_lr", "max_grad_norm")},
+    **{k: (lambda v: 0 < v <= 1, "a number in (0, 1]") for k in ("gamma", "tau")},
+    **{k: (lambda v: 0 <= v <= 1, "a number in [0, 1]") for k in ("gae_lambda", "start_e", "end_e", "exploration_fraction")},
+    **{k: (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
+       for k in ("clip_coef", "ent_coef", "vf_coef", "alpha", "policy_noise", "noise_clip", "exploration_noise")},
+    "target_kl": (lambda v: v is None or (math.isfinite(v) and v > 0), "a finite number > 0"),
+}
+
+
+def fail(message):
+    """Bad input ends the run with one line on stderr and exit status 2, never a traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_args(args):
+    for name, value in vars(args).items():
+        if name in RULES and not RULES[name][0](value):
+            fail(f"--{name.replace('_', '-')} {value} is out of range: use {RULES[name][1]}")
+    if args.total_timesteps == 0 and not args.load_model:
+        fail("--total-timesteps 0 trains nothing: give a budget, or --load-model to evaluate a checkpoint")
+
+
+def check_memory(nbytes, device, what):
+    """One line, before any work, for a buffer that will not fit in the device's free memory."""
+    try:
+        if device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0]
+        else:
+            free = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return
+    if nbytes > free:
+        fail(f"{what} needs {nbytes / 2**30:.1f} GiB and {device.type} has {free / 2**30:.1f} GiB free: make it smaller")
+
+
+def atomic_save(obj, path):
+    """Write then rename: a crash mid-save leaves the previous file whole, never a broken one."""
+    torch.save(obj, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def load_checkpoint(path, networks, env_id):
+    """Load a checkpoint of either script of the pair into `networks` (name -> module). Tensors
+    and plain types only (weights_only=True): a checkpoint cannot run code."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch.load raises many types for a file that is no checkpoint
+        fail(f"cannot load {path!r} ({type(e).__name__}): pass a file written by --save-model of {ALGORITHM}")
+    saved = checkpoint.get("algorithm") if isinstance(checkpoint, dict) else None
+    if saved != ALGORITHM:
+        fail(f"{path!r} is not a {ALGORITHM} checkpoint ({saved or 'unknown'}): pass one saved by {ALGORITHM}")
+    try:
+        for name, network in networks.items():
+            network.load_state_dict(checkpoint["model"][name])
+    except (KeyError, RuntimeError):
+        hint = f"pass --env-id {checkpoint['env_id']}" if checkpoint["env_id"] != env_id else "use the sizes it was trained with"
+        fail(f"{path!r} holds {ALGORITHM} networks for {checkpoint['env_id']} of other sizes: {hint}")
+
+
+class Run:
+    """Around the training loop: the folder runs/<run_name> (TensorBoard events when tensorboard
+    is installed, curve.csv, the checkpoint), wandb with --track, the progress bar, steps/s after
+    warm-up, SIGTERM handled as Ctrl-C, and the one-line JSON summary."""
+
+    def __init__(self, args, total_steps, warmup_updates=3):
+        self.args, self.warmup_updates = args, warmup_updates
+        self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        self.dir = f"runs/{self.name}"
+        self.wandb = self.writer = self.last_good = self.stop_reason = self.warmup_s = None
+        self.interrupted, self.returns = False, deque(maxlen=10)
+        self.step = self.updates = self.warm_step = 0
+        if args.track:
+            try:
+                import wandb
+            except ImportError:
+                fail("--track needs wandb: pip install wandb")
+            self.wandb = wandb
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+            self.curve = open(f"{self.dir}/curve.csv", "w")
+        except OSError as e:
+            fail(f"cannot write {self.dir} ({e.strerror}): run from a folder you can write to")
+        self.curve.write("step,seconds,episodic_return\n")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(self.dir)
+            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+        except ImportError:
+            print("notice: tensorboard is not installed; metrics go to --track only (pip install tensorboard)", file=sys.stderr)
+        if self.wandb:
+            self.wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=self.name, save_code=True)
+        self.total_steps, self.bar = total_steps, None
+        self.start = self.warm_time = time.perf_counter()
+        signal.signal(signal.SIGTERM, self.on_sigterm)
+
+    def on_sigterm(self, signum, frame):
+        """Schedulers stop jobs with SIGTERM: end the run as Ctrl-C does, saving first."""
+        self.interrupted = signal.SIGTERM
+        raise KeyboardInterrupt
+
+    def scalars(self, step, values):
+        if self.writer:
+            for key, value in values.items():
+                self.writer.add_scalar(key, value, step)
+        if self.wandb:
+            self.wandb.log(values, step=step)
+
+    def episodes(self, step, infos):
+        """CleanRL's charts, one point per finished episode, from gymnasium's episode statistics
+        (in infos["final_info"] under SAME_STEP autoreset)."""
+        info = infos.get("final_info", infos)
+        if "episode" in info:
+            done = info["_episode"]
+            for r, n in zip(info["episode"]["r"][done], info["episode"]["l"][done]):
+                self.returns.append(float(r))
+                self.scalars(step, {"charts/episodic_return": float(r), "charts/episodic_length": int(n)})
+
+    def sps(self):
+        if self.warmup_s is None or self.step <= self.warm_step:
+            return None
+        return (self.step - self.warm_step) / (time.perf_counter() - self.warm_time)
+
+    def log(self, step, updates, metrics, networks):
+        """A log point: steps/s (from the first log point with `warmup_updates` updates done, when
+        every compiled callable has run), bar, curve, metrics, and the weights as last good if
+        they are finite (with --save-model)."""
+        self.bar = self.bar or tqdm.tqdm(total=self.total_steps, file=sys.stderr)
+        self.bar.update(step - self.step)
+        self.step, self.updates, now = step, updates, time.perf_counter()
+        if self.warmup_s is None and updates >= self.warmup_updates:
+            self.warmup_s, self.warm_step, self.warm_time = now - self.start, step, now
+        sps, mean_return = self.sps(), np.mean(self.returns) if self.returns else float("nan")
+        self.bar.set_description(f"sps={sps or float('nan'):6.0f} return={mean_return:8.2f}")
+        if self.returns:
+            self.curve.write(f"{step},{now - self.start:.3f},{mean_return:.3f}\n")
+        self.scalars(step, {**metrics, "charts/SPS": sps or 0.0})
+        if self.args.save_model:
+            state = {name: {k: v.detach().clone() for k, v in net.state_dict().items()} for name, net in networks.items()}
+            if torch.stack([v.isfinite().all() for sd in state.values() for v in sd.values()]).all():
+                self.last_good = state
+
+    def finish(self, step, networks, evaluate, **fields):
+        """Save, evaluate, close and print the summary. Exit 1 after a non-finite loss, 130 after
+        Ctrl-C, 143 after SIGTERM; a checkpoint is only ever saved from finite weights."""
+        self.step = step
+        end_sps, wall_s = self.sps(), time.perf_counter() - self.start
+        if self.bar:
+            self.bar.close()
+        if self.interrupted:
+            print(f"notice: interrupted at step {self.step}; saving what there is", file=sys.stderr)
+        checkpoint, state = None, self.last_good
+        if self.args.save_model:
+            current = {name: net.state_dict() for name, net in networks.items()}
+            if self.stop_reason is None and all(v.isfinite().all() for sd in current.values() for v in sd.values()):
+                state = current
+            if state is None:
+                print("notice: the weights were never finite at a log point; no checkpoint saved", file=sys.stderr)
+            else:
+                model = {name: {k: v.detach().cpu() for k, v in sd.items()} for name, sd in state.items()}
+                saved = {"algorithm": ALGORITHM, "env_id": self.args.env_id, "args": vars(self.args), "model": model}
+                checkpoint = atomic_save(saved, f"{self.dir}/{self.args.exp_name}.pt")
+                print(f"notice: model saved to {checkpoint}", file=sys.stderr)
+        eval_return = None
+        if self.args.eval_episodes > 0 and self.stop_reason is None and not self.interrupted:
+            try:
+                eval_return = evaluate()
+            except KeyboardInterrupt:
+                self.interrupted = self.interrupted or signal.SIGINT
+        self.curve.close()
+        if self.writer:
+            self.writer.close()
+        if self.wandb:
+            self.wandb.finish()
+        summary = {
+            "script": os.path.basename(__file__), "env_id": self.args.env_id, "seed": self.args.seed,
+            "compile": getattr(self.args, "compile", False), "cudagraphs": False, **fields,
+            "total_steps": self.step, "updates": self.updates, "wall_s": wall_s, "sps": end_sps,
+            "warmup_s": self.warmup_s, "episodic_return": np.mean(self.returns) if self.returns else None,
+            "eval_return": eval_return, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "interrupted": bool(self.interrupted), "checkpoint": checkpoint, "run_dir": self.dir,
+        }
+        # Strict JSON: non-finite numbers become null.
+        summary = {k: (round(float(v), 3) if math.isfinite(v) else None) if isinstance(v, (float, np.floating)) else v for k, v in summary.items()}
+        print(json.dumps(summary), flush=True)
+        if self.stop_reason:
+            print(f"error: {self.stop_reason}", file=sys.stderr)
+            sys.exit(1)
+        if self.interrupted:
+            sys.exit(143 if self.interrupted == signal.SIGTERM else 130)
+
 
 def main(args: Args):
     check_args(args)
+    if args.batch_size > args.buffer_size:
+        fail(f"--batch-size {args.batch_size} is larger than --buffer-size {args.buffer_size}: make the buffer hold a batch")
     num_iterations = args.total_timesteps // args.num_envs
-    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run = Run(args, num_iterations * args.num_envs)
 
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
-
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
 
-    envs = make_envs(args, run_name, args.num_envs)
+    envs = make_envs(args, run.name, args.num_envs, args.capture_video)
     n_obs = math.prod(envs.single_observation_space.shape)
     n_act = int(envs.single_action_space.n)
 
     q_network = QNetwork(n_obs, n_act, device=device)
     if args.load_model:
-        load_checkpoint(args.load_model, q_network, args.env_id)
+        load_checkpoint(args.load_model, {"q_network": q_network}, args.env_id)
     optimizer = optim.Adam(q_network.parameters(), lr=args.learning_rate)
     target_network = QNetwork(n_obs, n_act, device=device)
     target_network.load_state_dict(q_network.state_dict())
 
     rb = ReplayBuffer(args.buffer_size, n_obs)
 
-    wandb = None
-    if args.track:
-        import wandb
-
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=run_name, save_code=True)
-
-    checkpoint_path = f"runs/{run_name}/{args.exp_name}.pt"
-    recent_returns = deque(maxlen=10)
-    curve = []  # (env steps, seconds, mean return) at each log point, for the benchmark's plots
-    global_step, updates, logged_step = 0, 0, 0
+    global_step = updates = 0
     loss = old_val = None
-    start_time = time.perf_counter()
-    warmup_s, warm_step, warm_time = None, 0, start_time
-    last_good = {k: v.clone() for k, v in q_network.state_dict().items()} if args.save_model else None
-    interrupted = False
-    stop_reason = None
-
     obs, _ = envs.reset(seed=args.seed)
-    pbar = tqdm.tqdm(total=num_iterations * args.num_envs, disable=num_iterations == 0, file=sys.stderr)
     try:
         for iteration in range(num_iterations):
             epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_fraction * args.total_timesteps, global_step)
@@ -320,13 +459,7 @@ def main(args: Args):
 
             next_obs, rewards, terminations, truncations, infos = envs.step(actions)
             global_step += args.num_envs
-
-            if "final_info" in infos:
-                final = infos["final_info"]
-                for episodic_return in final["episode"]["r"][final["_episode"]]:
-                    recent_returns.append(float(episodic_return))
-                    if wandb is not None:
-                        wandb.log({"charts/episodic_return": episodic_return}, step=global_step)
+            run.episodes(global_step, infos)
 
             # The done flag is the termination only: a time-limit truncation still bootstraps
             # from the true last observation (see make_envs for the autoreset).
@@ -352,84 +485,16 @@ def main(args: Args):
                         target_network_param.data.copy_(args.tau * q_network_param.data + (1.0 - args.tau) * target_network_param.data)
 
             if crossings(global_step, args.num_envs, LOG_EVERY) or iteration == num_iterations - 1:
-                if loss is not None and not math.isfinite(loss.item()):
-                    stop_reason = f"non-finite td_loss {loss.item()} at step {global_step}"
+                stats = {"losses/td_loss": loss.item(), "losses/q_values": old_val.mean().item()} if loss is not None else {}
+                if stats and not math.isfinite(stats["losses/td_loss"]):
+                    run.stop_reason = f"non-finite td_loss {stats['losses/td_loss']} at step {global_step}"
                     break
-                if args.save_model:
-                    last_good = {k: v.clone() for k, v in q_network.state_dict().items()}
-                if warmup_s is None and updates >= WARMUP_UPDATES:
-                    warmup_s = time.perf_counter() - start_time
-                    warm_step, warm_time = global_step, time.perf_counter()
-                sps = (global_step - warm_step) / max(time.perf_counter() - warm_time, 1e-9) if warmup_s is not None and global_step > warm_step else float("nan")
-                mean_return = float(np.mean(recent_returns)) if recent_returns else float("nan")
-                pbar.update(global_step - logged_step)
-                logged_step = global_step
-                pbar.set_description(f"sps={sps:6.0f} return={mean_return:8.2f}")
-                if recent_returns:
-                    curve.append((global_step, round(time.perf_counter() - start_time, 3), round(mean_return, 3)))
-                if wandb is not None:
-                    log = {"charts/epsilon": epsilon, "charts/SPS": sps}
-                    if loss is not None:
-                        log.update({"losses/td_loss": loss.item(), "losses/q_values": old_val.mean().item()})
-                    wandb.log(log, step=global_step)
+                run.log(global_step, updates, {**stats, "charts/epsilon": epsilon}, {"q_network": q_network})
     except KeyboardInterrupt:
-        interrupted = True
-    finally:
-        pbar.close()
-    if interrupted:
-        print(f"notice: interrupted at step {global_step}; saving what there is", file=sys.stderr)
-
-    end_time = time.perf_counter()
-    saved = None
-    if args.save_model:
-        # The state at the last log point with a finite loss, if the run stopped on a non-finite one.
-        saved = save_checkpoint(checkpoint_path, last_good if stop_reason else q_network.state_dict(), args)
-        print(f"notice: model saved to {saved}", file=sys.stderr)
-    eval_return = None
-    if args.eval_episodes > 0 and stop_reason is None:
-        eval_return = evaluate(q_network, args, run_name, device)
+        run.interrupted = run.interrupted or signal.SIGINT
     envs.close()
-
-    summary = {
-        "script": os.path.basename(__file__),
-        "env_id": args.env_id,
-        "seed": args.seed,
-        "compile": False,
-        "cudagraphs": False,
-        "device": device.type,
-        "total_steps": global_step,
-        "wall_s": round(end_time - start_time, 3),
-        "sps": round((global_step - warm_step) / (end_time - warm_time), 1) if warmup_s is not None and global_step > warm_step else None,
-        "warmup_s": round(warmup_s, 3) if warmup_s is not None else None,
-        "episodic_return": float(np.mean(recent_returns)) if recent_returns else None,
-        "updates": updates,
-        "eval_return": eval_return,
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "interrupted": interrupted,
-        "checkpoint": saved,
-        "curve": curve[:: max(1, len(curve) // 200)],
-    }
-    if wandb is not None:
-        wandb.finish()
-    print(json.dumps(summary), flush=True)
-    if stop_reason:
-        fail(stop_reason)
-
-
-def parse_args() -> Args:
-    """tyro's command line, where a boolean is a flag (`--compile`, `--no-cuda`), also taking
-    the spelling `--cuda false` or `--cuda=False`."""
-    flags = {"--" + name.replace("_", "-") for name, kind in Args.__annotations__.items() if kind is bool}
-    argv = []
-    for arg in sys.argv[1:]:
-        flag, eq, value = arg.partition("=")
-        if not eq and argv and argv[-1] in flags and arg.lower() in ("true", "false"):
-            flag, value = argv.pop(), arg
-        if flag in flags and value.lower() in ("true", "false"):
-            arg = flag if value.lower() == "true" else "--no-" + flag[2:]
-        argv.append(arg)
-    return tyro.cli(Args, args=argv)
+    run.finish(global_step, {"q_network": q_network}, lambda: evaluate(q_network, args, run.name, device), device=device.type)
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    main(tyro.cli(Args))

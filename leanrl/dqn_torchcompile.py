@@ -1,9 +1,12 @@
 """DQN, lean: torch.compile, CUDA graphs and tensordict.
 
-Deep Q-Network (Mnih et al., 2015, https://www.nature.com/articles/nature14236) with the
-implementation details and defaults of CleanRL's `dqn.py`: an MLP Q-network, a replay buffer,
-a target network, and epsilon-greedy exploration that decays linearly. Same defaults and the
-same learning as the plain script `dqn.py`; only the speed differs.
+Deep Q-Network (Mnih et al., 2015, https://www.nature.com/articles/nature14236) with the details
+and defaults of CleanRL's `dqn.py`: an MLP Q-network, a replay buffer, a target network and
+linearly decaying epsilon-greedy exploration. It learns as the plain script `dqn.py` does; what
+changes is where the time goes: the replay buffer lives on the training device and is gathered
+inside the update, the update (gather, both forward passes, backward, Adam) is one function
+that compiles to one graph, acting applies the layers directly, and nothing syncs the host with
+the device between two log points.
 
     python leanrl/dqn_torchcompile.py
     python leanrl/dqn_torchcompile.py --compile
@@ -16,6 +19,7 @@ import math
 import os
 import random
 import resource
+import signal
 import sys
 import time
 from collections import deque
@@ -28,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import tqdm
 import tyro
-from tensordict import TensorDict, from_module
+from tensordict import from_module
 from tensordict.nn import CudaGraphModule
 from torch.optim.adam import adam
 
@@ -77,7 +81,7 @@ class Args:
     target_network_frequency: int = 500
     """the timesteps it takes to update the target network"""
     batch_size: int = 128
-    """the batch size of sample from the reply memory"""
+    """the batch size of sample from the replay memory"""
     start_e: float = 1.0
     """the starting epsilon for exploration"""
     end_e: float = 0.05
@@ -96,31 +100,9 @@ class Args:
     """whether to replay the hot callables as CUDA graphs (needs a CUDA device)"""
 
 
+ALGORITHM = "dqn"
 # Losses and the progress bar are logged every LOG_EVERY environment steps, as in CleanRL.
 LOG_EVERY = 100
-# Steps per second are counted from the first log point with this many updates done: by then
-# every compiled callable has run, and CudaGraphModule (2 warm-up calls) has captured its graph.
-WARMUP_UPDATES = 3
-# torch.optim.Adam's defaults, which the plain script uses.
-ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8
-
-
-def fail(message: str):
-    """Bad input ends the run with one line on stderr and exit status 2, never a traceback."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def check_args(args):
-    for name in ("num_envs", "buffer_size", "batch_size", "train_frequency", "target_network_frequency"):
-        if getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.buffer_size < args.num_envs:
-        fail(f"--buffer-size {args.buffer_size} is smaller than --num-envs {args.num_envs}: one step would not fit")
-    if args.total_timesteps < 0 or args.learning_starts < 0:
-        fail("--total-timesteps and --learning-starts must not be negative")
-    if not 0.0 <= args.tau <= 1.0:
-        fail(f"--tau must lie in [0, 1], got {args.tau}")
 
 
 def make_env(env_id, idx, capture_video, run_name):
@@ -136,27 +118,22 @@ def make_env(env_id, idx, capture_video, run_name):
     return thunk
 
 
-def make_envs(args, run_name, num_envs):
+def make_envs(args, run_name, num_envs, capture_video=False):
     """The vector env, or one clear line for an env this script cannot use."""
     if args.env_id not in gym.registry:
         fail(f"unknown environment id {args.env_id!r}: pass --env-id with a registered gymnasium id, e.g. CartPole-v1")
-    if args.capture_video:
-        if importlib.util.find_spec("moviepy") is None:
-            fail("--capture-video needs moviepy: pip install 'leanrl[video]'")
-        try:
+    if capture_video and importlib.util.find_spec("moviepy") is None:
+        fail("--capture-video needs moviepy: pip install 'leanrl[video]'")
+    try:
+        if capture_video:  # a missing renderer fails here, not at the first recorded frame
             probe = gym.make(args.env_id, render_mode="rgb_array")
             probe.reset(seed=args.seed)
             probe.render()
             probe.close()
-        except gym.error.DependencyNotInstalled as e:
-            fail(f"--capture-video of {args.env_id} needs a rendering dependency: {e}")
-    thunks = [make_env(args.env_id, i, args.capture_video, run_name) for i in range(num_envs)]
-    try:
-        # SAME_STEP autoreset: the step that ends an episode already returns the first
-        # observation of the next one, and the true last observation is in infos["final_obs"].
-        # Every step is then one real transition (stored with its true next observation), and no
-        # stored transition spans an autoreset. Under the NEXT_STEP default, the step after a done
-        # would be a reset step with no transition in it, which the loop would have to skip.
+        # SAME_STEP autoreset: the step that ends an episode returns the first observation of the
+        # next one and the true last one in infos["final_obs"], so every step is one real
+        # transition and none spans an autoreset.
+        thunks = [make_env(args.env_id, i, capture_video, run_name) for i in range(num_envs)]
         envs = gym.vector.SyncVectorEnv(thunks, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
     except gym.error.DependencyNotInstalled as e:
         fail(f"{args.env_id} needs a missing dependency ({e})")
@@ -168,8 +145,8 @@ def make_envs(args, run_name, num_envs):
 
 
 def real_next_obs(next_obs, infos):
-    """The observation each env reached: `next_obs`, except for envs whose episode just ended,
-    where `next_obs` already starts the next episode and the true last one is in infos."""
+    """The observation each env reached: `next_obs`, except where an episode just ended: there
+    `next_obs` already starts the next episode and the true last one is in infos."""
     if "final_obs" not in infos:
         return next_obs
     real = next_obs.copy()
@@ -186,8 +163,8 @@ def linear_schedule(start_e: float, end_e: float, duration: float, t: int) -> fl
 
 
 def crossings(step: int, n: int, every: int) -> int:
-    """How many multiples of `every` the step counter passed going from step - n to step:
-    with several envs the counter moves by num_envs at a time."""
+    """How many multiples of `every` the step counter passed going from step - n to step: with
+    several envs the counter moves by num_envs at a time."""
     return step // every - (step - n) // every
 
 
@@ -207,67 +184,81 @@ class QNetwork(nn.Module):
 
 
 class ReplayBuffer:
-    """A ring buffer of transitions in tensors preallocated on the device, written in place.
+    """Transitions in tensors preallocated on the training device (one per field), written in
+    place and gathered inside the update. Steps are staged in host arrays and copied to the
+    device in blocks (when the stage is full, and before each update): one copy per field per
+    block, not per step. On a CPU a torch call costs microseconds, more than the copy it makes;
+    on CUDA each copy is a transfer."""
 
-    Steps are staged in host arrays and copied to the device in blocks (when the stage is full,
-    and before each update): one copy per field per block instead of one per step. On a CPU a
-    torch call costs microseconds, more than the copy; on CUDA each copy is a transfer."""
+    def __init__(self, buffer_size, fields, stage_rows, device):
+        # fields: name -> (shape of one row, dtype)
+        row_bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in fields.values())
+        check_memory(buffer_size * row_bytes, torch.device(device), f"--buffer-size {buffer_size}")
+        self.storage = {k: torch.zeros(buffer_size, *shape, dtype=dtype, device=device) for k, (shape, dtype) in fields.items()}
+        self.stage = {k: np.zeros((stage_rows, *shape), dtype=torch.empty(0, dtype=dtype).numpy().dtype) for k, (shape, dtype) in fields.items()}
+        self.buffer_size, self.stage_rows, self.device = buffer_size, stage_rows, device
+        self.pos = self.size = self.pending = 0
 
-    def __init__(self, buffer_size, n_obs, stage_rows, device):
-        self.storage = TensorDict(
-            obs=torch.zeros(buffer_size, n_obs, device=device),
-            next_obs=torch.zeros(buffer_size, n_obs, device=device),
-            actions=torch.zeros(buffer_size, dtype=torch.long, device=device),
-            rewards=torch.zeros(buffer_size, device=device),
-            dones=torch.zeros(buffer_size, device=device),
-            batch_size=[buffer_size],
-            device=device,
-        )
-        # Plain references to the leaves: a TensorDict lookup costs more than the copy it feeds.
-        self.fields = dict(self.storage.items())
-        self.stage = {
-            key: np.zeros((stage_rows, *value.shape[1:]), dtype=np.int64 if key == "actions" else np.float32)
-            for key, value in self.fields.items()
-        }
-        self.buffer_size, self.stage_rows = buffer_size, stage_rows
-        self.pos, self.size, self.pending = 0, 0, 0
-
-    def add(self, obs, next_obs, actions, rewards, dones):
-        rows = slice(self.pending, self.pending + len(obs))
-        self.stage["obs"][rows] = obs
-        self.stage["next_obs"][rows] = next_obs
-        self.stage["actions"][rows] = actions
-        self.stage["rewards"][rows] = rewards
-        self.stage["dones"][rows] = dones
-        self.pending += len(obs)
-        if self.pending + len(obs) > self.stage_rows:
+    def add(self, **rows):
+        n = len(next(iter(rows.values())))
+        for key, value in rows.items():
+            self.stage[key][self.pending : self.pending + n] = value
+        self.pending += n
+        if self.pending + n > self.stage_rows:
             self.flush()
 
     def flush(self):
         """Copy the staged steps into the device storage, in at most two slices per field."""
         n, pos = self.pending, self.pos
-        if n == 0:
-            return
         first = min(n, self.buffer_size - pos)
         for key, staged in self.stage.items():
-            dest = self.fields[key]
+            dest = self.storage[key]
             dest[pos : pos + first].copy_(torch.from_numpy(staged[:first]))
-            if first < n:
-                dest[: n - first].copy_(torch.from_numpy(staged[first:n]))
-        self.pos = (pos + n) % self.buffer_size
-        self.size = min(self.size + n, self.buffer_size)
-        self.pending = 0
+            dest[: n - first].copy_(torch.from_numpy(staged[first:n]))
+        self.pos, self.size, self.pending = (pos + n) % self.buffer_size, min(self.size + n, self.buffer_size), 0
+
+    def sample(self, batch_size):
+        """Indices of a uniform batch, drawn on the device (no host sync; a CUDA graph of the
+        update takes them as its input)."""
+        self.flush()
+        return torch.randint(self.size, (batch_size,), device=self.device)
+
+
+class Adam:
+    """torch.optim.Adam's step as a call on tensors: torch's functional `adam` (the code that
+    `optim.Adam.step()` runs) on state kept here. In a compiled update it traces into the one
+    graph, where `optimizer.step()` would break it (and, on CUDA, compile once per optimizer).
+
+    `params`: (name, parameter) pairs; their detached views are updated in place, so the modules
+    see each step. `lr` may be a 0-d tensor annealed in place. `fused`: one kernel for all the
+    tensors, for eager updates. `capturable` (CUDA): the step counts stay on the device, so a
+    step never syncs and can be captured in a CUDA graph."""
+
+    def __init__(self, params, lr, eps=1e-8, fused=False, capturable=False):
+        self.params = {name: p.detach() for name, p in params}
+        self.exp_avgs = [torch.zeros_like(p) for p in self.params.values()]
+        self.exp_avg_sqs = [torch.zeros_like(p) for p in self.params.values()]
+        self.steps = [torch.zeros((), device=p.device) for p in self.params.values()]
+        self.lr, self.eps, self.fused, self.capturable = lr, eps, fused, capturable
+
+    @torch.no_grad()
+    def step(self, grads):
+        # torch.func may return a gradient in the layout its backward made (transposed for a
+        # weight used as `w.mT`); the fused kernel reads it as if laid out like the weight.
+        grads = [grads[name].contiguous() for name in self.params]
+        adam(
+            list(self.params.values()), grads, self.exp_avgs, self.exp_avg_sqs, [], self.steps,
+            foreach=False, fused=self.fused or None, capturable=self.capturable,
+            amsgrad=False, beta1=0.9, beta2=0.999, lr=self.lr, weight_decay=0.0, eps=self.eps, maximize=False,
+        )
 
 
 def make_policy(q_network, epsilon, n_act):
     """Acting: one epsilon-greedy step for every env. `epsilon` is a 0-d tensor the loop updates
-    in place, so a compiled or graphed policy reads the current value without recompiling.
-
-    The layers are applied with F.linear on the Q-network's own parameters (updated in place by
-    the update, so always current): for a batch of num_envs observations each nn.Module call
-    costs more than the matmul it wraps (a step costs 54 us through the module, 31 us so, on a
-    CPU). `test_lean_policy_is_greedy_at_epsilon_zero_and_uniform_at_one` checks that this is the
-    module's forward."""
+    in place, so a compiled or graphed policy reads the current value without recompiling. The
+    layers are applied with F.linear on the Q-network's own parameters: for a few observations
+    each nn.Module call costs more than its matmul (54 us a step through the module, 31 us so,
+    on a CPU)."""
     layers = [(m.weight, m.bias) for m in q_network.network if isinstance(m, nn.Linear)]
 
     def policy(obs):
@@ -282,80 +273,28 @@ def make_policy(q_network, epsilon, n_act):
     return policy
 
 
-def make_update(q_network, target_network, storage, args, capturable=False):
-    """One gradient step on a minibatch gathered from the replay storage at `idx`.
-
-    The gradient comes from torch.func and Adam is torch's own functional `adam` (the code that
-    `optim.Adam(foreach=False)` runs), so gather, both forward passes, backward and the optimizer
-    step form one graph: `optimizer.step()` would force a graph break. Parameters and Adam's
-    state are updated in place; the module's parameters are the same storages."""
-    params = {name: p.detach() for name, p in q_network.named_parameters()}
-    names = list(params)
-    exp_avgs = [torch.zeros_like(p) for p in params.values()]
-    exp_avg_sqs = [torch.zeros_like(p) for p in params.values()]
-    steps = [torch.zeros((), device=p.device) for p in params.values()]
-    buf_obs, buf_next_obs, buf_actions = storage["obs"], storage["next_obs"], storage["actions"]
-    buf_rewards, buf_dones = storage["rewards"], storage["dones"]
-    gamma, lr = args.gamma, args.learning_rate
+def make_update(q_network, target_network, optimizer, storage, gamma):
+    """One gradient step on the minibatch at rows `idx` of the replay storage. The gradient comes
+    from torch.func and the step from `Adam`, so that gather, both forward passes, backward and
+    Adam form one graph. Returns the metrics as one tensor that stays on the device."""
 
     def td_loss(params, obs, actions, td_target):
-        q_values = torch.func.functional_call(q_network, params, (obs,))
-        old_val = q_values.gather(1, actions.unsqueeze(1)).squeeze(1)
+        old_val = torch.func.functional_call(q_network, params, (obs,)).gather(1, actions.unsqueeze(1)).squeeze(1)
         return F.mse_loss(td_target, old_val), old_val
 
     def update(idx):
-        obs, next_obs, actions = buf_obs[idx], buf_next_obs[idx], buf_actions[idx]
+        batch = {key: value[idx] for key, value in storage.items()}
         with torch.no_grad():
-            target_max = target_network(next_obs).max(dim=1).values
-            td_target = buf_rewards[idx] + gamma * target_max * (1 - buf_dones[idx])
-        grads, (loss, old_val) = torch.func.grad_and_value(td_loss, has_aux=True)(params, obs, actions, td_target)
-        adam(
-            [params[k] for k in names],
-            [grads[k] for k in names],
-            exp_avgs,
-            exp_avg_sqs,
-            [],
-            steps,
-            foreach=False,
-            capturable=capturable,
-            amsgrad=False,
-            beta1=ADAM_BETAS[0],
-            beta2=ADAM_BETAS[1],
-            lr=lr,
-            weight_decay=0.0,
-            eps=ADAM_EPS,
-            maximize=False,
-        )
+            target_max = target_network(batch["next_obs"]).max(dim=1).values
+            td_target = batch["rewards"] + gamma * target_max * (1 - batch["dones"])
+        grads, (loss, old_val) = torch.func.grad_and_value(td_loss, has_aux=True)(optimizer.params, batch["obs"], batch["actions"], td_target)
+        optimizer.step(grads)
         return torch.stack([loss, old_val.mean()]).detach()
 
     return update
 
 
-METRICS = ["td_loss", "q_values"]
-
-
-def atomic_save(obj, path):
-    """Write then rename: a crash mid-save leaves the previous file whole, never a broken one."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    torch.save(obj, path + ".tmp")
-    os.replace(path + ".tmp", path)
-    return path
-
-
-def save_checkpoint(path, q_state, args):
-    checkpoint = {"model": {k: v.detach().cpu() for k, v in q_state.items()}, "args": vars(args)}
-    return atomic_save(checkpoint, path)
-
-
-def load_checkpoint(path, q_network, env_id):
-    if not os.path.isfile(path):
-        fail(f"no checkpoint at {path!r}: pass --load-model with a file written by --save-model")
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    try:
-        q_network.load_state_dict(checkpoint["model"])
-    except (KeyError, RuntimeError):
-        saved_for = checkpoint.get("args", {}).get("env_id", "another env") if isinstance(checkpoint, dict) else "another env"
-        fail(f"checkpoint {path!r} holds no Q-network of {env_id}'s sizes (saved for {saved_for}): pass --env-id {saved_for}")
+METRICS = ["losses/td_loss", "losses/q_values"]
 
 
 def evaluate(q_network, args, run_name, device):
@@ -373,51 +312,254 @@ def evaluate(q_network, args, run_name, device):
     eval_envs.close()
     return float(np.mean(returns[: args.eval_episodes]))
 
+# ---------------------------------------------------------------- RUN
+# The same block in every LeanRL script: argument rules, the run's folder and metrics, signals,
+# checkpoints and the summary line. Nothing in it is specific to one algorithm.
+
+# One rule per flag, the same in every script that has the flag.
+COUNTS = ("num_envs", "num_steps", "num_minibatches", "update_epochs", "batch_size", "buffer_size",
+          "train_frequency", "target_network_frequency", "policy_frequency")
+RULES = {
+    "seed": (lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)"),
+    **{k: (lambda v: v >= 0, "0 or more") for k in ("total_timesteps", "learning_starts", "eval_episodes")},
+    **{k: (lambda v: v >= 1, "1 or more") for k in COUNTS},
+    **{k: (lambda v: math.isfinite(v) and v > 0, "a finite number > 0") for k in ("learning_rate", "q_lr", "policy_lr", "max_grad_norm")},
+    **{k: (lambda v: 0 < v <= 1, "a number in (0, 1]") for k in ("gamma", "tau")},
+    **{k: (lambda v: 0 <= v <= 1, "a number in [0, 1]") for k in ("gae_lambda", "start_e", "end_e", "exploration_fraction")},
+    **{k: (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
+       for k in ("clip_coef", "ent_coef", "vf_coef", "alpha", "policy_noise", "noise_clip", "exploration_noise")},
+    "target_kl": (lambda v: v is None or (math.isfinite(v) and v > 0), "a finite number > 0"),
+}
+
+
+def fail(message):
+    """Bad input ends the run with one line on stderr and exit status 2, never a traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_args(args):
+    for name, value in vars(args).items():
+        if name in RULES and not RULES[name][0](value):
+            fail(f"--{name.replace('_', '-')} {value} is out of range: use {RULES[name][1]}")
+    if args.total_timesteps == 0 and not args.load_model:
+        fail("--total-timesteps 0 trains nothing: give a budget, or --load-model to evaluate a checkpoint")
+
+
+def check_memory(nbytes, device, what):
+    """One line, before any work, for a buffer that will not fit in the device's free memory."""
+    try:
+        if device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0]
+        else:
+            free = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return
+    if nbytes > free:
+        fail(f"{what} needs {nbytes / 2**30:.1f} GiB and {device.type} has {free / 2**30:.1f} GiB free: make it smaller")
+
+
+def atomic_save(obj, path):
+    """Write then rename: a crash mid-save leaves the previous file whole, never a broken one."""
+    torch.save(obj, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def load_checkpoint(path, networks, env_id):
+    """Load a checkpoint of either script of the pair into `networks` (name -> module). Tensors
+    and plain types only (weights_only=True): a checkpoint cannot run code."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch.load raises many types for a file that is no checkpoint
+        fail(f"cannot load {path!r} ({type(e).__name__}): pass a file written by --save-model of {ALGORITHM}")
+    saved = checkpoint.get("algorithm") if isinstance(checkpoint, dict) else None
+    if saved != ALGORITHM:
+        fail(f"{path!r} is not a {ALGORITHM} checkpoint ({saved or 'unknown'}): pass one saved by {ALGORITHM}")
+    try:
+        for name, network in networks.items():
+            network.load_state_dict(checkpoint["model"][name])
+    except (KeyError, RuntimeError):
+        hint = f"pass --env-id {checkpoint['env_id']}" if checkpoint["env_id"] != env_id else "use the sizes it was trained with"
+        fail(f"{path!r} holds {ALGORITHM} networks for {checkpoint['env_id']} of other sizes: {hint}")
+
+
+class Run:
+    """Around the training loop: the folder runs/<run_name> (TensorBoard events when tensorboard
+    is installed, curve.csv, the checkpoint), wandb with --track, the progress bar, steps/s after
+    warm-up, SIGTERM handled as Ctrl-C, and the one-line JSON summary."""
+
+    def __init__(self, args, total_steps, warmup_updates=3):
+        self.args, self.warmup_updates = args, warmup_updates
+        self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        self.dir = f"runs/{self.name}"
+        self.wandb = self.writer = self.last_good = self.stop_reason = self.warmup_s = None
+        self.interrupted, self.returns = False, deque(maxlen=10)
+        self.step = self.updates = self.warm_step = 0
+        if args.track:
+            try:
+                import wandb
+            except ImportError:
+                fail("--track needs wandb: pip install wandb")
+            self.wandb = wandb
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+            self.curve = open(f"{self.dir}/curve.csv", "w")
+        except OSError as e:
+            fail(f"cannot write {self.dir} ({e.strerror}): run from a folder you can write to")
+        self.curve.write("step,seconds,episodic_return\n")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(self.dir)
+            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+        except ImportError:
+            print("notice: tensorboard is not installed; metrics go to --track only (pip install tensorboard)", file=sys.stderr)
+        if self.wandb:
+            self.wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=self.name, save_code=True)
+        self.total_steps, self.bar = total_steps, None
+        self.start = self.warm_time = time.perf_counter()
+        signal.signal(signal.SIGTERM, self.on_sigterm)
+
+    def on_sigterm(self, signum, frame):
+        """Schedulers stop jobs with SIGTERM: end the run as Ctrl-C does, saving first."""
+        self.interrupted = signal.SIGTERM
+        raise KeyboardInterrupt
+
+    def scalars(self, step, values):
+        if self.writer:
+            for key, value in values.items():
+                self.writer.add_scalar(key, value, step)
+        if self.wandb:
+            self.wandb.log(values, step=step)
+
+    def episodes(self, step, infos):
+        """CleanRL's charts, one point per finished episode, from gymnasium's episode statistics
+        (in infos["final_info"] under SAME_STEP autoreset)."""
+        info = infos.get("final_info", infos)
+        if "episode" in info:
+            done = info["_episode"]
+            for r, n in zip(info["episode"]["r"][done], info["episode"]["l"][done]):
+                self.returns.append(float(r))
+                self.scalars(step, {"charts/episodic_return": float(r), "charts/episodic_length": int(n)})
+
+    def sps(self):
+        if self.warmup_s is None or self.step <= self.warm_step:
+            return None
+        return (self.step - self.warm_step) / (time.perf_counter() - self.warm_time)
+
+    def log(self, step, updates, metrics, networks):
+        """A log point: steps/s (from the first log point with `warmup_updates` updates done, when
+        every compiled callable has run), bar, curve, metrics, and the weights as last good if
+        they are finite (with --save-model)."""
+        self.bar = self.bar or tqdm.tqdm(total=self.total_steps, file=sys.stderr)
+        self.bar.update(step - self.step)
+        self.step, self.updates, now = step, updates, time.perf_counter()
+        if self.warmup_s is None and updates >= self.warmup_updates:
+            self.warmup_s, self.warm_step, self.warm_time = now - self.start, step, now
+        sps, mean_return = self.sps(), np.mean(self.returns) if self.returns else float("nan")
+        self.bar.set_description(f"sps={sps or float('nan'):6.0f} return={mean_return:8.2f}")
+        if self.returns:
+            self.curve.write(f"{step},{now - self.start:.3f},{mean_return:.3f}\n")
+        self.scalars(step, {**metrics, "charts/SPS": sps or 0.0})
+        if self.args.save_model:
+            state = {name: {k: v.detach().clone() for k, v in net.state_dict().items()} for name, net in networks.items()}
+            if torch.stack([v.isfinite().all() for sd in state.values() for v in sd.values()]).all():
+                self.last_good = state
+
+    def finish(self, step, networks, evaluate, **fields):
+        """Save, evaluate, close and print the summary. Exit 1 after a non-finite loss, 130 after
+        Ctrl-C, 143 after SIGTERM; a checkpoint is only ever saved from finite weights."""
+        self.step = step
+        end_sps, wall_s = self.sps(), time.perf_counter() - self.start
+        if self.bar:
+            self.bar.close()
+        if self.interrupted:
+            print(f"notice: interrupted at step {self.step}; saving what there is", file=sys.stderr)
+        checkpoint, state = None, self.last_good
+        if self.args.save_model:
+            current = {name: net.state_dict() for name, net in networks.items()}
+            if self.stop_reason is None and all(v.isfinite().all() for sd in current.values() for v in sd.values()):
+                state = current
+            if state is None:
+                print("notice: the weights were never finite at a log point; no checkpoint saved", file=sys.stderr)
+            else:
+                model = {name: {k: v.detach().cpu() for k, v in sd.items()} for name, sd in state.items()}
+                saved = {"algorithm": ALGORITHM, "env_id": self.args.env_id, "args": vars(self.args), "model": model}
+                checkpoint = atomic_save(saved, f"{self.dir}/{self.args.exp_name}.pt")
+                print(f"notice: model saved to {checkpoint}", file=sys.stderr)
+        eval_return = None
+        if self.args.eval_episodes > 0 and self.stop_reason is None and not self.interrupted:
+            try:
+                eval_return = evaluate()
+            except KeyboardInterrupt:
+                self.interrupted = self.interrupted or signal.SIGINT
+        self.curve.close()
+        if self.writer:
+            self.writer.close()
+        if self.wandb:
+            self.wandb.finish()
+        summary = {
+            "script": os.path.basename(__file__), "env_id": self.args.env_id, "seed": self.args.seed,
+            "compile": getattr(self.args, "compile", False), "cudagraphs": False, **fields,
+            "total_steps": self.step, "updates": self.updates, "wall_s": wall_s, "sps": end_sps,
+            "warmup_s": self.warmup_s, "episodic_return": np.mean(self.returns) if self.returns else None,
+            "eval_return": eval_return, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "interrupted": bool(self.interrupted), "checkpoint": checkpoint, "run_dir": self.dir,
+        }
+        # Strict JSON: non-finite numbers become null.
+        summary = {k: (round(float(v), 3) if math.isfinite(v) else None) if isinstance(v, (float, np.floating)) else v for k, v in summary.items()}
+        print(json.dumps(summary), flush=True)
+        if self.stop_reason:
+            print(f"error: {self.stop_reason}", file=sys.stderr)
+            sys.exit(1)
+        if self.interrupted:
+            sys.exit(143 if self.interrupted == signal.SIGTERM else 130)
+
 
 def main(args: Args):
     check_args(args)
+    if args.batch_size > args.buffer_size:
+        fail(f"--batch-size {args.batch_size} is larger than --buffer-size {args.buffer_size}: make the buffer hold a batch")
     num_iterations = args.total_timesteps // args.num_envs
-    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run = Run(args, num_iterations * args.num_envs)
 
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
-
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     cudagraphs = args.cudagraphs and device.type == "cuda"
     if args.cudagraphs and not cudagraphs:
         print("notice: --cudagraphs needs a CUDA device; running without CUDA graphs", file=sys.stderr)
 
-    envs = make_envs(args, run_name, args.num_envs)
+    envs = make_envs(args, run.name, args.num_envs, args.capture_video)
     n_obs = math.prod(envs.single_observation_space.shape)
     n_act = int(envs.single_action_space.n)
 
     q_network = QNetwork(n_obs, n_act, device=device)
     if args.load_model:
-        load_checkpoint(args.load_model, q_network, args.env_id)
+        load_checkpoint(args.load_model, {"q_network": q_network}, args.env_id)
     target_network = QNetwork(n_obs, n_act, device=device)
     q_params, target_params = from_module(q_network).data, from_module(target_network).data
     target_params.copy_(q_params)
+    # On CUDA, Adam's step counts live on the device (capturable), so the update never syncs.
+    optimizer = Adam(q_network.named_parameters(), args.learning_rate, capturable=device.type == "cuda")
 
-    # Whole blocks of train_frequency steps (rounded up to whole vector steps) go to the
-    # device at once; never more than the buffer holds.
+    # Blocks of train_frequency steps (whole vector steps, at most the buffer) go to the device at once.
     stage_steps = max(1, min(-(-args.train_frequency // args.num_envs), args.buffer_size // args.num_envs))
-    rb = ReplayBuffer(args.buffer_size, n_obs, stage_steps * args.num_envs, device)
+    fields = {"obs": ((n_obs,), torch.float32), "next_obs": ((n_obs,), torch.float32), "actions": ((), torch.int64),
+              "rewards": ((), torch.float32), "dones": ((), torch.float32)}
+    rb = ReplayBuffer(args.buffer_size, fields, stage_steps * args.num_envs, device)
 
     epsilon = torch.tensor(args.start_e, device=device)
     policy = make_policy(q_network, epsilon, n_act)
-    # On CUDA, Adam's step counts live on the device (capturable), so the update never syncs.
-    update = make_update(q_network, target_network, rb.storage, args, capturable=device.type == "cuda")
-    # What --compile compiles, measured on a 2-core CPU with torch 2.13, one thread, batch 128
-    # (see README, DQN):
-    # - update: 1.5 ms eager, 0.38 ms compiled (gather, both forwards, backward and Adam become
-    #   one graph: 11 matmuls and 9 fused C++ kernels), 0.33 ms with inductor's C++ wrapper,
-    #   which drops the Python glue between kernels; compiled on every device, the C++ wrapper
-    #   on CPUs only (untested on CUDA here);
+    update = make_update(q_network, target_network, optimizer, rb.storage, args.gamma)
+    # What --compile compiles (2-core CPU, torch 2.13, one thread, batch 128):
+    # - update: 1.5 ms eager, 0.38 ms compiled (one graph: 11 matmuls and 9 fused kernels),
+    #   0.33 ms with inductor's C++ wrapper, which drops the Python glue between kernels (CPU only);
     # - policy: 31 us eager, 66 us compiled for one observation on a CPU (the compiled call's
-    #   wrappers cost more than fusing ten tiny ops saves), so it is compiled on CUDA only,
-    #   where kernel launches dominate.
+    #   wrappers cost more than fusing ten tiny ops saves), so it is compiled on CUDA only.
     if args.compile:
         update = torch.compile(update, options={"cpp_wrapper": True} if device.type == "cpu" else None)
         if device.type == "cuda":
@@ -426,27 +568,10 @@ def main(args: Args):
         update = CudaGraphModule(update)
         policy = CudaGraphModule(policy)
 
-    wandb = None
-    if args.track:
-        import wandb
-
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=run_name, save_code=True)
-
-    checkpoint_path = f"runs/{run_name}/{args.exp_name}.pt"
-    recent_returns = deque(maxlen=10)
-    curve = []  # (env steps, seconds, mean return) at each log point, for the benchmark's plots
-    global_step, updates, logged_step = 0, 0, 0
-    metrics = None
-    epsilon_value = args.start_e
-    start_time = time.perf_counter()
-    warmup_s, warm_step, warm_time = None, 0, start_time
-    last_good = q_params.clone() if args.save_model else None
-    interrupted = False
-    stop_reason = None
-
-    obs_np, _ = envs.reset(seed=args.seed)
-    obs_np = obs_np.reshape(args.num_envs, n_obs).astype(np.float32, copy=False)
-    pbar = tqdm.tqdm(total=num_iterations * args.num_envs, disable=num_iterations == 0, file=sys.stderr)
+    global_step = updates = 0
+    metrics, epsilon_value = None, args.start_e
+    obs, _ = envs.reset(seed=args.seed)
+    obs = obs.reshape(args.num_envs, n_obs).astype(np.float32, copy=False)
     try:
         # Gradients come from torch.func inside the update, which this context does not reach.
         with torch.no_grad():
@@ -456,123 +581,40 @@ def main(args: Args):
                 if cudagraphs:
                     torch.compiler.cudagraph_mark_step_begin()
                 # note: .cpu() is a CPU-GPU sync point on CUDA, which the host env needs anyway
-                actions = policy(torch.from_numpy(obs_np).to(device)).cpu().numpy()
+                actions = policy(torch.from_numpy(obs).to(device)).cpu().numpy()
                 next_obs, rewards, terminations, truncations, infos = envs.step(actions)
                 global_step += args.num_envs
-                if "final_info" in infos:
-                    final = infos["final_info"]
-                    recent_returns.extend(final["episode"]["r"][final["_episode"]].tolist())
+                run.episodes(global_step, infos)
 
                 # The done flag is the termination only: a time-limit truncation still bootstraps
                 # from the true last observation (see make_envs for the autoreset).
                 next_obs = next_obs.reshape(args.num_envs, n_obs).astype(np.float32, copy=False)
-                rb.add(obs_np, real_next_obs(next_obs, infos), actions, rewards, terminations)
-                obs_np = next_obs
+                rb.add(obs=obs, next_obs=real_next_obs(next_obs, infos), actions=actions, rewards=rewards, dones=terminations)
+                obs = next_obs
 
                 if global_step > args.learning_starts:
-                    todo = crossings(global_step, args.num_envs, args.train_frequency)
-                    if todo:
-                        rb.flush()
-                    for _ in range(todo):
-                        # The gather itself happens inside the (compiled) update, fused with the
-                        # forward pass; drawing the indices is one call.
-                        idx = torch.randint(rb.size, (args.batch_size,), device=device)
+                    for _ in range(crossings(global_step, args.num_envs, args.train_frequency)):
+                        idx = rb.sample(args.batch_size)
                         if cudagraphs:
                             torch.compiler.cudagraph_mark_step_begin()
                         # The graphed output is overwritten by the next call; only the latest is read.
                         metrics = update(idx)
                         updates += 1
-
                     if crossings(global_step, args.num_envs, args.target_network_frequency):
-                        if args.tau == 1.0:
-                            target_params.copy_(q_params)
-                        else:
-                            target_params.lerp_(q_params, args.tau)
+                        target_params.lerp_(q_params, args.tau)
 
                 if crossings(global_step, args.num_envs, LOG_EVERY) or iteration == num_iterations - 1:
-                    # Logging: the host syncs of this loop are all here.
+                    # note: the loop's only host sync is here, at the log points
                     stats = dict(zip(METRICS, metrics.tolist())) if metrics is not None else {}
-                    if stats and not math.isfinite(stats["td_loss"]):
-                        stop_reason = f"non-finite td_loss {stats['td_loss']} at step {global_step}"
+                    if stats and not math.isfinite(stats["losses/td_loss"]):
+                        run.stop_reason = f"non-finite td_loss {stats['losses/td_loss']} at step {global_step}"
                         break
-                    if args.save_model:
-                        last_good = q_params.clone()
-                    if warmup_s is None and updates >= WARMUP_UPDATES:
-                        warmup_s = time.perf_counter() - start_time
-                        warm_step, warm_time = global_step, time.perf_counter()
-                    sps = (global_step - warm_step) / max(time.perf_counter() - warm_time, 1e-9) if warmup_s is not None and global_step > warm_step else float("nan")
-                    mean_return = float(np.mean(recent_returns)) if recent_returns else float("nan")
-                    pbar.update(global_step - logged_step)
-                    logged_step = global_step
-                    pbar.set_description(f"sps={sps:6.0f} return={mean_return:8.2f}")
-                    if recent_returns:
-                        curve.append((global_step, round(time.perf_counter() - start_time, 3), round(mean_return, 3)))
-                    if wandb is not None:
-                        log = {f"losses/{k}": v for k, v in stats.items()}
-                        log.update({"charts/epsilon": epsilon_value, "charts/SPS": sps})
-                        if recent_returns:
-                            log["charts/episodic_return"] = mean_return
-                        wandb.log(log, step=global_step)
+                    run.log(global_step, updates, {**stats, "charts/epsilon": epsilon_value}, {"q_network": q_network})
     except KeyboardInterrupt:
-        interrupted = True
-    finally:
-        pbar.close()
-    if interrupted:
-        print(f"notice: interrupted at step {global_step}; saving what there is", file=sys.stderr)
-
-    end_time = time.perf_counter()
-    saved = None
-    if args.save_model:
-        # The state at the last log point with a finite loss, if the run stopped on a non-finite one.
-        if stop_reason:
-            q_params.copy_(last_good)
-        saved = save_checkpoint(checkpoint_path, q_network.state_dict(), args)
-        print(f"notice: model saved to {saved}", file=sys.stderr)
-    eval_return = None
-    if args.eval_episodes > 0 and stop_reason is None:
-        eval_return = evaluate(q_network, args, run_name, device)
+        run.interrupted = run.interrupted or signal.SIGINT
     envs.close()
-
-    summary = {
-        "script": os.path.basename(__file__),
-        "env_id": args.env_id,
-        "seed": args.seed,
-        "compile": args.compile,
-        "cudagraphs": cudagraphs,
-        "device": device.type,
-        "total_steps": global_step,
-        "wall_s": round(end_time - start_time, 3),
-        "sps": round((global_step - warm_step) / (end_time - warm_time), 1) if warmup_s is not None and global_step > warm_step else None,
-        "warmup_s": round(warmup_s, 3) if warmup_s is not None else None,
-        "episodic_return": float(np.mean(recent_returns)) if recent_returns else None,
-        "updates": updates,
-        "eval_return": eval_return,
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "interrupted": interrupted,
-        "checkpoint": saved,
-        "curve": curve[:: max(1, len(curve) // 200)],
-    }
-    if wandb is not None:
-        wandb.finish()
-    print(json.dumps(summary), flush=True)
-    if stop_reason:
-        fail(stop_reason)
-
-
-def parse_args() -> Args:
-    """tyro's command line, where a boolean is a flag (`--compile`, `--no-cuda`), also taking
-    the spelling `--cuda false` or `--cuda=False`."""
-    flags = {"--" + name.replace("_", "-") for name, kind in Args.__annotations__.items() if kind is bool}
-    argv = []
-    for arg in sys.argv[1:]:
-        flag, eq, value = arg.partition("=")
-        if not eq and argv and argv[-1] in flags and arg.lower() in ("true", "false"):
-            flag, value = argv.pop(), arg
-        if flag in flags and value.lower() in ("true", "false"):
-            arg = flag if value.lower() == "true" else "--no-" + flag[2:]
-        argv.append(arg)
-    return tyro.cli(Args, args=argv)
+    run.finish(global_step, {"q_network": q_network}, lambda: evaluate(q_network, args, run.name, device), device=device.type, cudagraphs=cudagraphs)
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    main(tyro.cli(Args))
