@@ -39,7 +39,8 @@ def run_script(script, *args, cwd, timeout=600, env=None, check=True):
     if check and proc.returncode != 0:
         pytest.fail(f"{Path(script).name} {' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
     lines = proc.stdout.strip().splitlines()
-    summary = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
+    # Strict JSON: NaN or Infinity in the summary fails the test.
+    summary = json.loads(lines[-1], parse_constant=pytest.fail) if lines and lines[-1].startswith("{") else None
     return summary, proc
 
 

@@ -111,9 +111,11 @@ def test_stored_transitions_follow_the_episodes(path, plain, lean, monkeypatch, 
     records = []
     add = module.ReplayBuffer.add
 
-    def recording_add(self, obs, next_obs, actions, rewards, dones):
-        records.append([np.array(x, copy=True) for x in (obs, next_obs, dones)])
-        return add(self, obs, next_obs, actions, rewards, dones)
+    def recording_add(self, *args, **rows):
+        # The plain buffer takes the fields by position, the lean one by name.
+        fields = (args[0], args[1], args[4]) if args else (rows["obs"], rows["next_obs"], rows["dones"])
+        records.append([np.array(x, copy=True) for x in fields])
+        return add(self, *args, **rows)
 
     monkeypatch.setattr(module.ReplayBuffer, "add", recording_add)
     num_envs = 2
@@ -146,6 +148,12 @@ def test_stored_transitions_follow_the_episodes(path, plain, lean, monkeypatch, 
     assert terminations > 0 and truncations > 0, (terminations, truncations)
 
 
+def fields(lean, n_obs):
+    """The lean buffer's fields, as main declares them."""
+    return {"obs": ((n_obs,), torch.float32), "next_obs": ((n_obs,), torch.float32), "actions": ((), torch.int64),
+            "rewards": ((), torch.float32), "dones": ((), torch.float32)}
+
+
 @pytest.mark.parametrize("num_envs", [1, 3])
 def test_lean_buffer_holds_what_the_plain_buffer_holds(plain, lean, num_envs):
     """After wrapping around several times, with steps staged on the host and copied in blocks,
@@ -154,7 +162,7 @@ def test_lean_buffer_holds_what_the_plain_buffer_holds(plain, lean, num_envs):
     buffer_size, n_obs, steps = 50, 3, 90
     rng = np.random.default_rng(0)
     plain_rb = plain.ReplayBuffer(buffer_size, n_obs)
-    lean_rb = lean.ReplayBuffer(buffer_size, n_obs, stage_rows=4 * num_envs, device="cpu")
+    lean_rb = lean.ReplayBuffer(buffer_size, fields(lean, n_obs), stage_rows=4 * num_envs, device="cpu")
     for step in range(steps):
         obs = rng.normal(size=(num_envs, n_obs)).astype(np.float32)
         next_obs = rng.normal(size=(num_envs, n_obs)).astype(np.float32)
@@ -162,7 +170,7 @@ def test_lean_buffer_holds_what_the_plain_buffer_holds(plain, lean, num_envs):
         rewards = rng.normal(size=num_envs)
         dones = rng.random(num_envs) < 0.2
         plain_rb.add(obs, next_obs, actions, rewards, dones)
-        lean_rb.add(obs, next_obs, actions, rewards, dones)
+        lean_rb.add(obs=obs, next_obs=next_obs, actions=actions, rewards=rewards, dones=dones)
         if step == 5:
             assert lean_rb.size + lean_rb.pending == plain_rb.size == 6 * num_envs
     lean_rb.flush()
@@ -212,7 +220,7 @@ def update_case(lean, batch_size=32, buffer_size=500):
     torch.manual_seed(0)
     args = lean.Args(batch_size=batch_size, buffer_size=buffer_size)
     q_network, target_network = lean.QNetwork(4, 2), lean.QNetwork(4, 2)
-    storage = lean.ReplayBuffer(buffer_size, 4, 10, "cpu").storage
+    storage = lean.ReplayBuffer(buffer_size, fields(lean, 4), 10, "cpu").storage
     storage["obs"].normal_()
     storage["next_obs"].normal_()
     storage["actions"].random_(0, 2)
@@ -228,7 +236,7 @@ def test_lean_update_is_the_plain_update(lean):
     (loss.backward, optim.Adam), written out as in dqn.py: the same numbers, bit for bit."""
     args, q_network, target_network, storage, batches = update_case(lean)
     q_ref, target_ref = copy.deepcopy(q_network), copy.deepcopy(target_network)
-    update = lean.make_update(q_network, target_network, storage, args)
+    update = lean.make_update(q_network, target_network, lean.Adam(q_network.named_parameters(), args.learning_rate), storage, args.gamma)
     optimizer = torch.optim.Adam(q_ref.parameters(), lr=args.learning_rate)
     for idx in batches:
         loss_lean, q_mean_lean = update(idx)
@@ -253,8 +261,9 @@ def test_compiled_update_matches_eager(lean):
     reductions; differences seen were at most 1e-6 in the loss and 1e-7 in the parameters."""
     args, q_network, target_network, storage, batches = update_case(lean)
     q_compiled, target_compiled = copy.deepcopy(q_network), copy.deepcopy(target_network)
-    eager = lean.make_update(q_network, target_network, storage, args)
-    compiled = torch.compile(lean.make_update(q_compiled, target_compiled, storage, args), options={"cpp_wrapper": True})
+    eager = lean.make_update(q_network, target_network, lean.Adam(q_network.named_parameters(), args.learning_rate), storage, args.gamma)
+    compiled_update = lean.make_update(q_compiled, target_compiled, lean.Adam(q_compiled.named_parameters(), args.learning_rate), storage, args.gamma)
+    compiled = torch.compile(compiled_update, options={"cpp_wrapper": True})
     for k, idx in enumerate(batches):
         if k == 3:
             # A target update between two steps, done in place as the loop does it: the compiled

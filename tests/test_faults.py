@@ -1,0 +1,242 @@
+"""Nothing lost, nothing silent (every script, from a glob): bad input ends in one `error:` line
+and exit status 2 before any training; SIGINT and SIGTERM save a finite checkpoint and print the
+summary; checkpoints load as tensors only; the RUN block is the same in every script."""
+
+import contextlib
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import tyro
+
+from conftest import TINY, family, is_lean, load_script, run_script, scripts
+
+ALL = scripts("*.py")
+PLAIN = [s for s in ALL if not is_lean(s)]
+
+# flag -> values that each break its rule; a script is tried on every flag its Args has.
+BAD = {
+    "seed": ["-1", str(2**32)],
+    "total_timesteps": ["-5"],
+    "num_envs": ["0"],
+    "num_steps": ["0"],
+    "num_minibatches": ["0"],
+    "update_epochs": ["0"],
+    "batch_size": ["0"],
+    "buffer_size": ["0"],
+    "learning_rate": ["nan", "-1"],
+    "q_lr": ["nan"],
+    "policy_lr": ["-0.1"],
+    "gamma": ["1.5", "0"],
+    "tau": ["2", "0"],
+    "eval_episodes": ["-1"],
+    "max_grad_norm": ["inf"],
+}
+CASES = [
+    (script, flag, value)
+    for script in ALL
+    for flag, values in BAD.items()
+    if flag in load_script(script).Args.__dataclass_fields__
+    for value in values
+]
+
+
+def main_in_process(script, *extra, tmp_path, monkeypatch):
+    """Run a script's main in this process at its tiny settings; return (exit code, stdout, stderr)."""
+    monkeypatch.chdir(tmp_path)
+    module = load_script(script)
+    args = tyro.cli(module.Args, args=[*TINY[family(script)], *map(str, extra)])
+    try:
+        module.main(args)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    return code
+
+
+def assert_refused_before_work(code, capsys, tmp_path, *words, started=False):
+    out, err = capsys.readouterr()
+    assert code == 2, (code, err)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    for word in words:
+        assert word.lower() in errors[0].lower(), errors[0]
+    assert "sps=" not in err and out.strip() == "", (out, err)  # no training, no summary
+    if not started:
+        assert not (tmp_path / "runs").exists()  # nothing was set up
+
+
+@pytest.mark.parametrize("script,flag,value", CASES, ids=lambda x: getattr(x, "stem", x))
+def test_bad_flag_is_one_line_before_any_work(script, flag, value, tmp_path, monkeypatch, capsys):
+    code = main_in_process(script, f"--{flag.replace('_', '-')}", value, tmp_path=tmp_path, monkeypatch=monkeypatch)
+    assert_refused_before_work(code, capsys, tmp_path, f"--{flag.replace('_', '-')}")
+
+
+@pytest.mark.parametrize("script", ALL, ids=lambda s: s.stem)
+def test_zero_budget_without_a_checkpoint_is_one_line(script, tmp_path, monkeypatch, capsys):
+    code = main_in_process(script, "--total-timesteps", 0, tmp_path=tmp_path, monkeypatch=monkeypatch)
+    assert_refused_before_work(code, capsys, tmp_path, "--total-timesteps")
+
+
+@pytest.mark.parametrize("script", ALL, ids=lambda s: s.stem)
+def test_track_without_wandb_is_one_line(script, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb now fails
+    code = main_in_process(script, "--track", tmp_path=tmp_path, monkeypatch=monkeypatch)
+    assert_refused_before_work(code, capsys, tmp_path, "wandb")
+
+
+@pytest.mark.parametrize("script", ALL, ids=lambda s: s.stem)
+def test_unwritable_run_folder_fails_at_start(script, tmp_path, monkeypatch, capsys):
+    (tmp_path / "runs").write_text("a file where the runs folder should be")
+    code = main_in_process(script, "--save-model", tmp_path=tmp_path, monkeypatch=monkeypatch)
+    assert_refused_before_work(code, capsys, tmp_path, "runs/", started=True)
+
+
+class RunsCode:
+    """Unpickling this runs code; a checkpoint must never be able to do that."""
+
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def bad_checkpoints(tmp_path, algorithm):
+    (tmp_path / "empty.pt").write_bytes(b"")
+    (tmp_path / "text.pt").write_text("not a checkpoint\n")
+    torch.save({"algorithm": algorithm, "env_id": "Ant-v5", "model": {}}, tmp_path / "whole.pt")
+    (tmp_path / "truncated.pt").write_bytes((tmp_path / "whole.pt").read_bytes()[:100])
+    torch.save({"algorithm": "other", "env_id": "CartPole-v1", "model": {}}, tmp_path / "other.pt")
+    (tmp_path / "code.pt").write_bytes(pickle.dumps(RunsCode()))
+    return {
+        "empty.pt": ["empty.pt"],
+        "text.pt": ["text.pt"],
+        "truncated.pt": ["truncated.pt"],
+        "other.pt": [algorithm, "other"],
+        "whole.pt": ["Ant-v5"],  # the right algorithm, other sizes: names the env it was saved for
+        "code.pt": ["code.pt"],
+    }
+
+
+@pytest.mark.parametrize("script", ALL, ids=lambda s: s.stem)
+def test_a_file_that_is_not_this_pairs_checkpoint_is_one_line(script, tmp_path, monkeypatch, capsys):
+    module = load_script(script)
+    for name, words in bad_checkpoints(tmp_path, module.ALGORITHM).items():
+        code = main_in_process(script, "--load-model", tmp_path / name, tmp_path=tmp_path, monkeypatch=monkeypatch)
+        assert_refused_before_work(code, capsys, tmp_path, *words, started=True)
+    assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize("script", ALL, ids=lambda s: s.stem)
+def test_only_finite_weights_are_saved(script, tmp_path, monkeypatch, capsys):
+    """The run's end keeps the current weights if finite, else the last finite ones seen at a log
+    point; with none, nothing is saved and a line says so. After a non-finite loss it keeps the
+    last good ones and exits 1."""
+    monkeypatch.chdir(tmp_path)
+    module = load_script(script)
+    args = tyro.cli(module.Args, args=[*TINY[family(script)], "--save-model"])
+    net = torch.nn.Linear(2, 2)
+    for last_good, stop_reason, expected in [(None, None, "saved"), ("finite", None, "saved"), (None, None, None), ("finite", "boom", "last")]:
+        run = module.Run(args, 0)
+        if expected is None or stop_reason:
+            with torch.no_grad():
+                net.weight.fill_(float("nan"))
+        else:
+            torch.nn.init.ones_(net.weight)
+        if last_good:
+            run.last_good = {"net": {k: torch.full_like(v, 7.0) for k, v in net.state_dict().items()}}
+        run.stop_reason = stop_reason
+        with pytest.raises(SystemExit) if stop_reason else contextlib.nullcontext():
+            run.finish(0, {"net": net}, None, device="cpu")
+        out, err = capsys.readouterr()
+        summary = json.loads(out.strip().splitlines()[-1], parse_constant=pytest.fail)
+        if expected is None:
+            assert summary["checkpoint"] is None and "no checkpoint" in err
+            continue
+        weight = torch.load(summary["checkpoint"], weights_only=True)["model"]["net"]["weight"]
+        assert torch.isfinite(weight).all()
+        assert torch.all(weight == (7.0 if expected == "last" else 1.0))
+
+
+def start_long_run(script, workdir, *extra):
+    tiny = TINY[family(script)]
+    i = tiny.index("--total-timesteps")
+    argv = [*tiny[:i], *tiny[i + 2 :], *map(str, extra)]
+    # A shell without job control starts background jobs with SIGINT ignored: give the script the
+    # default disposition, as in a terminal.
+    return subprocess.Popen(
+        [sys.executable, str(script), *argv], cwd=workdir,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+
+def wait_for(proc, text, timeout=180):
+    seen, deadline = "", time.time() + timeout
+    while text not in seen and time.time() < deadline and proc.poll() is None:
+        seen += os.read(proc.stderr.fileno(), 4096).decode(errors="replace")
+    assert text in seen, seen
+    return seen
+
+
+def stop_and_read(proc, signum, seen):
+    proc.send_signal(signum)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum, (proc.returncode, seen + stderr)
+    assert "Traceback" not in stderr, stderr
+    return json.loads(stdout.strip().splitlines()[-1], parse_constant=pytest.fail)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("script", ALL, ids=lambda s: s.stem)
+def test_signal_during_training_saves_and_exits_non_zero(script, signum, workdir):
+    """SIGINT exits 130 and SIGTERM 143, after saving a finite checkpoint that loads as tensors."""
+    proc = start_long_run(script, workdir, "--total-timesteps", 10_000_000, "--save-model")
+    summary = stop_and_read(proc, signum, wait_for(proc, "sps="))
+    assert summary["interrupted"] is True and summary["total_steps"] > 0
+    checkpoint = torch.load(Path(workdir) / summary["checkpoint"], weights_only=True)
+    assert checkpoint["args"]["env_id"] == summary["env_id"]
+    assert all(torch.isfinite(t).all() for net in checkpoint["model"].values() for t in net.values())
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("script", PLAIN, ids=lambda s: s.stem)
+def test_signal_during_evaluation_still_prints_the_summary(script, signum, workdir):
+    summary, _ = run_script(script, *TINY[family(script)], "--save-model", cwd=workdir)
+    proc = start_long_run(script, workdir, "--total-timesteps", 0, "--load-model", summary["checkpoint"], "--eval-episodes", 100_000)
+    time.sleep(8)  # imports and env set-up, then evaluation
+    assert proc.poll() is None
+    summary = stop_and_read(proc, signum, "")
+    assert summary["interrupted"] is True and summary["eval_return"] is None
+
+
+def run_block(path):
+    text = Path(path).read_text()
+    return text[text.index("# " + "-" * 64 + " RUN") : text.index("\n\ndef main(")]
+
+
+def test_every_script_has_the_same_run_block():
+    blocks = {s.name: run_block(s) for s in ALL}
+    reference = blocks[ALL[0].name]
+    assert [name for name, block in blocks.items() if block != reference] == []
+
+
+def helper_source(path, name):
+    import inspect
+
+    return inspect.getsource(getattr(load_script(path), name))
+
+
+@pytest.mark.parametrize("helper", ["Adam", "ReplayBuffer"])
+def test_lean_helpers_are_one_helper(helper):
+    """A helper that several lean scripts need has one body in all of them."""
+    having = [s for s in ALL if is_lean(s) and hasattr(load_script(s), helper)]
+    assert len(having) >= 2, having
+    bodies = {helper_source(s, helper) for s in having}
+    assert len(bodies) == 1, [s.name for s in having]
