@@ -301,7 +301,7 @@ class Run:
             try:
                 import wandb
             except ImportError:
-                fail("--track needs wandb: pip install wandb")
+                fail("--track needs wandb: pip install wandb (or the extra leanrl[track])")
             self.wandb = wandb
         try:
             os.makedirs(self.dir, exist_ok=True)
