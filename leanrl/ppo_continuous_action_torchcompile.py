@@ -2,8 +2,11 @@
 
 Proximal Policy Optimization (Schulman et al., 2017, https://arxiv.org/abs/1707.06347) with
 the implementation details of CleanRL's `ppo_continuous_action.py` (Huang et al., "The 37
-Implementation Details of PPO", ICLR blog track 2022). Same defaults and the same learning as
-the plain script `ppo_continuous_action.py`; only the speed differs.
+Implementation Details of PPO", ICLR blog track 2022). It learns as the plain script
+`ppo_continuous_action.py` does; what changes is where the time goes: the minibatch step
+(gather, forward, backward, gradient clipping, Adam) is one function that compiles to one
+graph, acting skips torch.distributions and autograd, and nothing syncs the host with the
+device between two log points but the `--target-kl` check.
 
     python leanrl/ppo_continuous_action_torchcompile.py
     python leanrl/ppo_continuous_action_torchcompile.py --compile
@@ -16,6 +19,7 @@ import math
 import os
 import random
 import resource
+import signal
 import sys
 import time
 from collections import deque
@@ -29,6 +33,7 @@ import tqdm
 import tyro
 from tensordict import from_module
 from tensordict.nn import CudaGraphModule
+from torch.optim.adam import adam
 
 
 @dataclass
@@ -79,7 +84,7 @@ class Args:
     update_epochs: int = 10
     """the K epochs to update the policy"""
     norm_adv: bool = True
-    """Toggles advantages normalization"""
+    """Toggles advantage normalization"""
     clip_coef: float = 0.2
     """the surrogate clipping coefficient"""
     clip_vloss: bool = True
@@ -100,15 +105,10 @@ class Args:
     """whether to replay the hot callables as CUDA graphs (needs a CUDA device)"""
 
 
-def fail(message: str):
-    """Bad input ends the run with one line on stderr and exit status 2, never a traceback."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def check_env_id(env_id: str):
-    if env_id not in gym.registry:
-        fail(f"unknown environment id {env_id!r}: pass --env-id with a registered gymnasium id, e.g. HalfCheetah-v5")
+ALGORITHM = "ppo_continuous_action"
+# log N(x; mu, std) = -(x - mu)^2 / (2 std^2) - log std - log sqrt(2 pi), written out because
+# building a torch.distributions.Normal costs more than the arithmetic at these sizes.
+LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
 def make_env(env_id, idx, capture_video, run_name, gamma):
@@ -133,16 +133,17 @@ def make_env(env_id, idx, capture_video, run_name, gamma):
     return thunk
 
 
-def make_envs(args, run_name, num_envs):
+def make_envs(args, run_name, num_envs, capture_video=False):
     """The vector env, or one clear line for an env this script cannot use."""
-    check_env_id(args.env_id)
-    if args.capture_video:
+    if args.env_id not in gym.registry:
+        fail(f"unknown environment id {args.env_id!r}: pass --env-id with a registered gymnasium id, e.g. HalfCheetah-v5")
+    if capture_video:
         if importlib.util.find_spec("moviepy") is None:
             fail("--capture-video needs moviepy: pip install 'leanrl[video]'")
         # MuJoCo renders off-screen through EGL, which needs no display; MUJOCO_GL=glfw or
         # osmesa set by the user wins.
         os.environ.setdefault("MUJOCO_GL", "egl")
-    thunks = [make_env(args.env_id, i, args.capture_video, run_name, args.gamma) for i in range(num_envs)]
+    thunks = [make_env(args.env_id, i, capture_video, run_name, args.gamma) for i in range(num_envs)]
     try:
         # SAME_STEP autoreset: the step that ends an episode already returns the first
         # observation of the next one (the final one is in infos["final_obs"]). Every stored
@@ -155,14 +156,29 @@ def make_envs(args, run_name, num_envs):
     return envs
 
 
-def obs_normalizers(envs):
-    """The NormalizeObservation wrapper of each sub-env: their statistics go in checkpoints."""
-    found = []
-    for env in envs.envs:
-        while not isinstance(env, gym.wrappers.NormalizeObservation):
-            env = env.env
-        found.append(env)
-    return found
+class ObsNormalization:
+    """The running statistics of each sub-env's NormalizeObservation, with a tensor state_dict:
+    the policy only works on observations normalized as in training, so checkpoints keep them
+    beside the networks. A checkpoint of fewer envs gives its last statistics to the rest."""
+
+    def __init__(self, envs):
+        self.wrappers = []
+        for env in envs.envs:
+            while not isinstance(env, gym.wrappers.NormalizeObservation):
+                env = env.env
+            self.wrappers.append(env)
+
+    def state_dict(self):
+        rms = [w.obs_rms for w in self.wrappers]
+        return {"mean": torch.tensor(np.stack([r.mean for r in rms])), "var": torch.tensor(np.stack([r.var for r in rms])),
+                "count": torch.tensor([float(r.count) for r in rms], dtype=torch.float64)}
+
+    def load_state_dict(self, state):
+        for i, wrapper in enumerate(self.wrappers):
+            j, rms = min(i, len(state["count"]) - 1), wrapper.obs_rms
+            if state["mean"][j].shape != rms.mean.shape:
+                raise RuntimeError("observation size mismatch")
+            rms.mean, rms.var, rms.count = state["mean"][j].numpy().copy(), state["var"][j].numpy().copy(), float(state["count"][j])
 
 
 def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
@@ -195,9 +211,33 @@ class Agent(nn.Module):
         return action_mean, self.actor_logstd.expand_as(action_mean), self.critic(obs).flatten()
 
 
-# log N(x; mu, std) = -(x - mu)^2 / (2 std^2) - log std - log sqrt(2 pi), written out because
-# building a torch.distributions.Normal costs more than the arithmetic at these sizes.
-LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+class Adam:
+    """torch.optim.Adam's step as a call on tensors: torch's functional `adam` (the code that
+    `optim.Adam.step()` runs) on state kept here. In a compiled update it traces into the one
+    graph, where `optimizer.step()` would break it (and, on CUDA, compile once per optimizer).
+
+    `params`: (name, parameter) pairs; their detached views are updated in place, so the modules
+    see each step. `lr` may be a 0-d tensor annealed in place. `fused`: one kernel for all the
+    tensors, for eager updates. `capturable` (CUDA): the step counts stay on the device, so a
+    step never syncs and can be captured in a CUDA graph."""
+
+    def __init__(self, params, lr, eps=1e-8, fused=False, capturable=False):
+        self.params = {name: p.detach() for name, p in params}
+        self.exp_avgs = [torch.zeros_like(p) for p in self.params.values()]
+        self.exp_avg_sqs = [torch.zeros_like(p) for p in self.params.values()]
+        self.steps = [torch.zeros((), device=p.device) for p in self.params.values()]
+        self.lr, self.eps, self.fused, self.capturable = lr, eps, fused, capturable
+
+    @torch.no_grad()
+    def step(self, grads):
+        # torch.func may return a gradient in the layout its backward made (transposed for a
+        # weight used as `w.mT`); the fused kernel reads it as if laid out like the weight.
+        grads = [grads[name].contiguous() for name in self.params]
+        adam(
+            list(self.params.values()), grads, self.exp_avgs, self.exp_avg_sqs, [], self.steps,
+            foreach=False, fused=self.fused or None, capturable=self.capturable,
+            amsgrad=False, beta1=0.9, beta2=0.999, lr=self.lr, weight_decay=0.0, eps=self.eps, maximize=False,
+        )
 
 
 def make_policy(agent):
@@ -236,22 +276,14 @@ def make_gae(gamma, gae_lambda):
     return gae
 
 
-def make_update(agent, lr, args, betas=(0.9, 0.999), eps=1e-5):
-    """One minibatch step as a pure function of tensors, so that torch.compile sees all of it as
-    one graph (`fullgraph=True`): the minibatch gather, forward, backward (`torch.func.grad`),
-    gradient clipping and Adam. The same step written with `loss.backward()` and
-    `optim.Adam.step()` breaks into three graphs with eager glue between them (dynamo does not
-    trace `zero_grad` nor `Tensor.backward`), and costs about 3x more per call on a CPU.
-
-    The arithmetic is torch's `clip_grad_norm_` followed by `Adam` (tests check it against
-    them); the Adam state lives in this closure and `lr` is a tensor updated in place."""
+def make_update(agent, optimizer, args):
+    """One minibatch step on the rows `idx` of the rollout: gather, forward, backward
+    (torch.func), `clip_grad_norm_`'s arithmetic on the gradients and `Adam`, as one function
+    that compiles to one graph. Written with `loss.backward()` and `optim.Adam.step()` it broke
+    into three graphs with eager glue between them and cost about 3x more per call on a CPU.
+    Returns METRICS as one tensor that stays on the device."""
     clip_coef, ent_coef, vf_coef = args.clip_coef, args.ent_coef, args.vf_coef
     norm_adv, clip_vloss, max_grad_norm = args.norm_adv, args.clip_vloss, args.max_grad_norm
-    beta1, beta2 = betas
-    params = dict(agent.named_parameters())
-    exp_avg = {k: torch.zeros_like(p) for k, p in params.items()}
-    exp_avg_sq = {k: torch.zeros_like(p) for k, p in params.items()}
-    step = torch.zeros((), device=lr.device)
 
     def loss_fn(params, mb_obs, mb_actions, mb_logprobs, mb_advantages, mb_returns, mb_values):
         action_mean, logstd, newvalue = torch.func.functional_call(agent, params, (mb_obs,))
@@ -283,72 +315,34 @@ def make_update(agent, lr, args, betas=(0.9, 0.999), eps=1e-5):
 
         entropy_loss = entropy.mean()
         loss = pg_loss - ent_coef * entropy_loss + v_loss * vf_coef
-        stats = torch.stack([v_loss, pg_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac, loss]).detach()
-        return loss, stats
+        return loss, torch.stack([v_loss, pg_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac]).detach()
 
     grad_fn = torch.func.grad(loss_fn, has_aux=True)
 
     def update(obs, actions, logprobs, advantages, returns, values, idx):
         minibatch = (obs[idx], actions[idx], logprobs[idx], advantages[idx], returns[idx], values[idx])
-        grads, stats = grad_fn({k: p.detach() for k, p in params.items()}, *minibatch)
-
+        grads, metrics = grad_fn(optimizer.params, *minibatch)
         # nn.utils.clip_grad_norm_
         grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
         clip = (max_grad_norm / (grad_norm + 1e-6)).clamp(max=1.0)
-        # optim.Adam
-        step.add_(1)
-        bias_correction1 = 1 - beta1**step
-        bias_correction2 = 1 - beta2**step
-        with torch.no_grad():
-            for k, p in params.items():
-                g = grads[k] * clip
-                exp_avg[k].lerp_(g, 1 - beta1)
-                exp_avg_sq[k].mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                denom = (exp_avg_sq[k] / bias_correction2).sqrt_().add_(eps)
-                p.sub_(lr * (exp_avg[k] / bias_correction1) / denom)
-        return torch.cat([stats, grad_norm.unsqueeze(0)])
+        optimizer.step({name: g * clip for name, g in grads.items()})
+        return metrics
 
     return update
 
 
-METRICS = ["value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac", "loss", "grad_norm"]
+METRICS = ["losses/value_loss", "losses/policy_loss", "losses/entropy", "losses/old_approx_kl", "losses/approx_kl", "losses/clipfrac"]
+
+CLIPFRAC, APPROX_KL = METRICS.index("losses/clipfrac"), METRICS.index("losses/approx_kl")
 
 
-def atomic_save(obj, path):
-    """Write then rename: a crash mid-save leaves the previous file whole, never a broken one."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    torch.save(obj, path + ".tmp")
-    os.replace(path + ".tmp", path)
-    return path
-
-
-def save_checkpoint(path, agent_state, envs, args):
-    norms = obs_normalizers(envs)
-    checkpoint = {
-        "model": {k: v.detach().cpu() for k, v in agent_state.items()},
-        "obs_rms": [{"mean": n.obs_rms.mean, "var": n.obs_rms.var, "count": n.obs_rms.count} for n in norms],
-        "args": vars(args),
-    }
-    return atomic_save(checkpoint, path)
-
-
-def load_checkpoint(path, agent, envs):
-    if not os.path.isfile(path):
-        fail(f"no checkpoint at {path!r}: pass --load-model with a file written by --save-model")
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    agent.load_state_dict(checkpoint["model"])
-    for i, norm in enumerate(obs_normalizers(envs)):
-        stats = checkpoint["obs_rms"][min(i, len(checkpoint["obs_rms"]) - 1)]
-        norm.obs_rms.mean, norm.obs_rms.var, norm.obs_rms.count = stats["mean"], stats["var"], stats["count"]
-
-
-def evaluate(agent, envs, args, run_name, device):
+def evaluate(agent, obs_rms, args, run_name, device):
     """Mean return of the deterministic policy (the action mean) over `eval_episodes` episodes,
-    with the observation statistics frozen at their training values."""
+    with the observation statistics frozen at those of the first training env."""
     eval_envs = make_envs(args, run_name + "-eval", 1)
-    for src, dst in zip(obs_normalizers(envs)[:1], obs_normalizers(eval_envs)):
-        dst.obs_rms = src.obs_rms
-        dst.update_running_mean = False
+    eval_rms = ObsNormalization(eval_envs)
+    eval_rms.load_state_dict(obs_rms.state_dict())
+    eval_rms.wrappers[0].update_running_mean = False
     returns = []
     obs, _ = eval_envs.reset(seed=args.seed + 10_000)
     with torch.no_grad():
@@ -361,84 +355,279 @@ def evaluate(agent, envs, args, run_name, device):
     eval_envs.close()
     return float(np.mean(returns[: args.eval_episodes]))
 
+# ---------------------------------------------------------------- RUN
+# The same block in every LeanRL script: argument rules, the run's folder and metrics, signals,
+# checkpoints and the summary line. Nothing in it is specific to one algorithm.
+
+# One rule per flag, the same in every script that has the flag.
+COUNTS = ("num_envs", "num_steps", "num_minibatches", "update_epochs", "batch_size", "buffer_size",
+          "train_frequency", "target_network_frequency", "policy_frequency")
+RULES = {
+    "seed": (lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)"),
+    **{k: (lambda v: v >= 0, "0 or more") for k in ("total_timesteps", "learning_starts", "eval_episodes")},
+    **{k: (lambda v: v >= 1, "1 or more") for k in COUNTS},
+    **{k: (lambda v: math.isfinite(v) and v > 0, "a finite number > 0") for k in ("learning_rate", "q_lr", "policy_lr", "max_grad_norm")},
+    **{k: (lambda v: 0 < v <= 1, "a number in (0, 1]") for k in ("gamma", "tau")},
+    **{k: (lambda v: 0 <= v <= 1, "a number in [0, 1]") for k in ("gae_lambda", "start_e", "end_e", "exploration_fraction")},
+    **{k: (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
+       for k in ("clip_coef", "ent_coef", "vf_coef", "alpha", "policy_noise", "noise_clip", "exploration_noise")},
+    "target_kl": (lambda v: v is None or (math.isfinite(v) and v > 0), "a finite number > 0"),
+}
+
+
+def fail(message):
+    """Bad input ends the run with one line on stderr and exit status 2, never a traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_args(args):
+    for name, value in vars(args).items():
+        if name in RULES and not RULES[name][0](value):
+            fail(f"--{name.replace('_', '-')} {value} is out of range: use {RULES[name][1]}")
+    if args.total_timesteps == 0 and not args.load_model:
+        fail("--total-timesteps 0 trains nothing: give a budget, or --load-model to evaluate a checkpoint")
+
+
+def check_memory(nbytes, device, what):
+    """One line, before any work, for a buffer that will not fit in the device's free memory."""
+    try:
+        if device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0]
+        else:
+            free = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return
+    if nbytes > free:
+        fail(f"{what} needs {nbytes / 2**30:.1f} GiB and {device.type} has {free / 2**30:.1f} GiB free: make it smaller")
+
+
+def atomic_save(obj, path):
+    """Write then rename: a crash mid-save leaves the previous file whole, never a broken one."""
+    torch.save(obj, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def load_checkpoint(path, networks, env_id):
+    """Load a checkpoint of either script of the pair into `networks` (name -> module). Tensors
+    and plain types only (weights_only=True): a checkpoint cannot run code."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch.load raises many types for a file that is no checkpoint
+        fail(f"cannot load {path!r} ({type(e).__name__}): pass a file written by --save-model of {ALGORITHM}")
+    saved = checkpoint.get("algorithm") if isinstance(checkpoint, dict) else None
+    if saved != ALGORITHM:
+        fail(f"{path!r} is not a {ALGORITHM} checkpoint ({saved or 'unknown'}): pass one saved by {ALGORITHM}")
+    try:
+        for name, network in networks.items():
+            network.load_state_dict(checkpoint["model"][name])
+    except (KeyError, RuntimeError):
+        hint = f"pass --env-id {checkpoint['env_id']}" if checkpoint["env_id"] != env_id else "use the sizes it was trained with"
+        fail(f"{path!r} holds {ALGORITHM} networks for {checkpoint['env_id']} of other sizes: {hint}")
+
+
+class Run:
+    """Around the training loop: the folder runs/<run_name> (TensorBoard events when tensorboard
+    is installed, curve.csv, the checkpoint), wandb with --track, the progress bar, steps/s after
+    warm-up, SIGTERM handled as Ctrl-C, and the one-line JSON summary."""
+
+    def __init__(self, args, total_steps, warmup_updates=3):
+        self.args, self.warmup_updates = args, warmup_updates
+        self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        self.dir = f"runs/{self.name}"
+        self.wandb = self.writer = self.last_good = self.stop_reason = self.warmup_s = None
+        self.interrupted, self.returns = False, deque(maxlen=10)
+        self.step = self.updates = self.warm_step = 0
+        if args.track:
+            try:
+                import wandb
+            except ImportError:
+                fail("--track needs wandb: pip install wandb (or the extra leanrl[track])")
+            self.wandb = wandb
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+            self.curve = open(f"{self.dir}/curve.csv", "w")
+        except OSError as e:
+            fail(f"cannot write {self.dir} ({e.strerror}): run from a folder you can write to")
+        self.curve.write("step,seconds,episodic_return\n")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(self.dir)
+            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+        except ImportError:
+            print("notice: tensorboard is not installed; metrics go to --track only (pip install tensorboard)", file=sys.stderr)
+        if self.wandb:
+            self.wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=self.name, save_code=True)
+        self.total_steps, self.bar = total_steps, None
+        self.start = self.warm_time = time.perf_counter()
+        signal.signal(signal.SIGTERM, self.on_sigterm)
+
+    def on_sigterm(self, signum, frame):
+        """Schedulers stop jobs with SIGTERM: end the run as Ctrl-C does, saving first."""
+        self.interrupted = signal.SIGTERM
+        raise KeyboardInterrupt
+
+    def scalars(self, step, values):
+        if self.writer:
+            for key, value in values.items():
+                self.writer.add_scalar(key, value, step)
+        if self.wandb:
+            self.wandb.log(values, step=step)
+
+    def episodes(self, step, infos):
+        """CleanRL's charts, one point per finished episode, from gymnasium's episode statistics
+        (in infos["final_info"] under SAME_STEP autoreset)."""
+        info = infos.get("final_info", infos)
+        if "episode" in info:
+            done = info["_episode"]
+            for r, n in zip(info["episode"]["r"][done], info["episode"]["l"][done]):
+                self.returns.append(float(r))
+                self.scalars(step, {"charts/episodic_return": float(r), "charts/episodic_length": int(n)})
+
+    def sps(self):
+        if self.warmup_s is None or self.step <= self.warm_step:
+            return None
+        return (self.step - self.warm_step) / (time.perf_counter() - self.warm_time)
+
+    def log(self, step, updates, metrics, networks):
+        """A log point: steps/s (from the first log point with `warmup_updates` updates done, when
+        every compiled callable has run), bar, curve, metrics, and the weights as last good if
+        they are finite (with --save-model)."""
+        self.bar = self.bar or tqdm.tqdm(total=self.total_steps, file=sys.stderr)
+        self.bar.update(step - self.step)
+        self.step, self.updates, now = step, updates, time.perf_counter()
+        if self.warmup_s is None and updates >= self.warmup_updates:
+            self.warmup_s, self.warm_step, self.warm_time = now - self.start, step, now
+        sps, mean_return = self.sps(), np.mean(self.returns) if self.returns else float("nan")
+        self.bar.set_description(f"sps={sps or float('nan'):6.0f} return={mean_return:8.2f}")
+        if self.returns:
+            self.curve.write(f"{step},{now - self.start:.3f},{mean_return:.3f}\n")
+        self.scalars(step, {**metrics, "charts/SPS": sps or 0.0})
+        if self.args.save_model:
+            state = {name: {k: v.detach().clone() for k, v in net.state_dict().items()} for name, net in networks.items()}
+            if torch.stack([v.isfinite().all() for sd in state.values() for v in sd.values()]).all():
+                self.last_good = state
+
+    def finish(self, step, networks, evaluate, **fields):
+        """Save, evaluate, close and print the summary. Exit 1 after a non-finite loss, 130 after
+        Ctrl-C, 143 after SIGTERM; a checkpoint is only ever saved from finite weights."""
+        self.step = step
+        end_sps, wall_s = self.sps(), time.perf_counter() - self.start
+        if self.bar:
+            self.bar.close()
+        if self.interrupted:
+            print(f"notice: interrupted at step {self.step}; saving what there is", file=sys.stderr)
+        checkpoint, state = None, self.last_good
+        if self.args.save_model:
+            current = {name: net.state_dict() for name, net in networks.items()}
+            if self.stop_reason is None and all(v.isfinite().all() for sd in current.values() for v in sd.values()):
+                state = current
+            if state is None:
+                print("notice: the weights were never finite at a log point; no checkpoint saved", file=sys.stderr)
+            else:
+                model = {name: {k: v.detach().cpu() for k, v in sd.items()} for name, sd in state.items()}
+                saved = {"algorithm": ALGORITHM, "env_id": self.args.env_id, "args": vars(self.args), "model": model}
+                checkpoint = atomic_save(saved, f"{self.dir}/{self.args.exp_name}.pt")
+                print(f"notice: model saved to {checkpoint}", file=sys.stderr)
+        eval_return = None
+        if self.args.eval_episodes > 0 and self.stop_reason is None and not self.interrupted:
+            try:
+                eval_return = evaluate()
+            except KeyboardInterrupt:
+                self.interrupted = self.interrupted or signal.SIGINT
+        self.curve.close()
+        if self.writer:
+            self.writer.close()
+        if self.wandb:
+            self.wandb.finish()
+        summary = {
+            "script": os.path.basename(__file__), "env_id": self.args.env_id, "seed": self.args.seed,
+            "compile": getattr(self.args, "compile", False), "cudagraphs": False, **fields,
+            "total_steps": self.step, "updates": self.updates, "wall_s": wall_s, "sps": end_sps,
+            "warmup_s": self.warmup_s, "episodic_return": np.mean(self.returns) if self.returns else None,
+            "eval_return": eval_return, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "interrupted": bool(self.interrupted), "checkpoint": checkpoint, "run_dir": self.dir,
+        }
+        # Strict JSON: non-finite numbers become null.
+        summary = {k: (round(float(v), 3) if math.isfinite(v) else None) if isinstance(v, (float, np.floating)) else v for k, v in summary.items()}
+        print(json.dumps(summary), flush=True)
+        if self.stop_reason:
+            print(f"error: {self.stop_reason}", file=sys.stderr)
+            sys.exit(1)
+        if self.interrupted:
+            sys.exit(143 if self.interrupted == signal.SIGTERM else 130)
+
 
 def main(args: Args):
+    check_args(args)
     batch_size = args.num_envs * args.num_steps
-    if args.num_minibatches < 1 or batch_size % args.num_minibatches != 0:
-        fail(f"--num-minibatches {args.num_minibatches} does not divide the batch of {batch_size} (num_envs * num_steps)")
+    if args.total_timesteps < batch_size and not (args.total_timesteps == 0 and args.load_model):
+        fail(f"--total-timesteps {args.total_timesteps} is less than one batch (num_envs * num_steps = {batch_size}): give at least {batch_size}")
+    if batch_size % args.num_minibatches:
+        fail(f"--num-minibatches {args.num_minibatches} does not divide the batch of {batch_size} (num_envs * num_steps): pass a divisor of it")
     minibatch_size = batch_size // args.num_minibatches
+    if args.norm_adv and minibatch_size < 2:
+        fail(f"--num-minibatches {args.num_minibatches} makes minibatches of 1, whose advantages cannot be normalized: use at most {batch_size // 2}, or --no-norm-adv")
     num_iterations = args.total_timesteps // batch_size
-    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run = Run(args, num_iterations * batch_size)
 
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
-
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     cudagraphs = args.cudagraphs and device.type == "cuda"
     if args.cudagraphs and not cudagraphs:
         print("notice: --cudagraphs needs a CUDA device; running without CUDA graphs", file=sys.stderr)
 
-    envs = make_envs(args, run_name, args.num_envs)
+    envs = make_envs(args, run.name, args.num_envs, args.capture_video)
     n_obs = math.prod(envs.single_observation_space.shape)
     n_act = math.prod(envs.single_action_space.shape)
 
     agent = Agent(n_obs, n_act, device=device)
+    networks = {"agent": agent, "obs_rms": ObsNormalization(envs)}
     if args.load_model:
-        load_checkpoint(args.load_model, agent, envs)
+        load_checkpoint(args.load_model, networks, args.env_id)
     # Acting uses a detached view of the same parameters: no autograd bookkeeping per step, and
     # every optimizer step is visible to it at once (the storages are shared).
     agent_inference = Agent(n_obs, n_act, device="meta")
     from_module(agent).data.to_module(agent_inference)
 
-    # The learning rate is a tensor updated in place, so annealing never recompiles the update.
+    # The learning rate is a tensor annealed in place, so annealing never recompiles the update.
+    # Eager updates step Adam with the fused kernel; a compiled update traces its per-tensor form.
     lr = torch.tensor(args.learning_rate, device=device)
+    optimizer = Adam(agent.named_parameters(), lr, eps=1e-5, fused=not args.compile, capturable=device.type == "cuda")
 
     policy = make_policy(agent_inference)
     gae = make_gae(args.gamma, args.gae_lambda)
-    update = make_update(agent, lr, args)
-    # What --compile compiles, measured on a 2-core CPU with torch 2.13, one thread (see README):
-    # - update: one graph (gather, forward, backward, clipping, Adam) of 0.70 ms per minibatch
-    #   compiled; written with loss.backward() and optim.Adam it broke into three graphs and took
-    #   about 3x as long. Compiled on every device;
+    update = make_update(agent, optimizer, args)
+    # What --compile compiles (2-core CPU, torch 2.13, one thread, minibatch 64):
+    # - update: 2.0 ms eager, 0.32 ms compiled (one graph), 0.27 ms with inductor's C++ wrapper,
+    #   which drops the Python glue between kernels (CPU only). Compiled on every device;
     # - policy: 0.15 ms eager, 0.20 ms compiled for one observation on a CPU (guards cost more
     #   than fusion saves), so it is compiled on CUDA only, where launches dominate;
     # - gae: a sequential loop of num_steps steps (28 ms per 2048 here); compiling it would unroll
     #   all of them into one graph, so it stays eager.
     if args.compile:
-        update = torch.compile(update, fullgraph=True)
+        update = torch.compile(update, fullgraph=True, options={"cpp_wrapper": True} if device.type == "cpu" else None)
         if device.type == "cuda":
             policy = torch.compile(policy)
     if cudagraphs:
         update = CudaGraphModule(update)
         policy = CudaGraphModule(policy)
 
-    wandb = None
-    if args.track:
-        import wandb
-
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=run_name, save_code=True)
-
-    checkpoint_path = f"runs/{run_name}/{args.exp_name}.pt"
-    recent_returns = deque(maxlen=10)
-    curve = []  # (env steps, seconds, mean return) at each log point, for the benchmark's plots
-    global_step, updates, iteration = 0, 0, 0
-    start_time = time.perf_counter()
-    warmup_s, warm_step, warm_time = None, 0, start_time
-    last_good = None
-    interrupted = False
-    stop_reason = None
-
+    global_step = updates = 0
     next_obs, _ = envs.reset(seed=args.seed)
     next_obs = torch.as_tensor(next_obs, device=device, dtype=torch.float)
     next_done = torch.zeros(args.num_envs, device=device)
-    pbar = tqdm.tqdm(total=num_iterations * batch_size, disable=num_iterations == 0, file=sys.stderr)
     try:
         for iteration in range(1, num_iterations + 1):
+            lr_now = args.learning_rate
             if args.anneal_lr:
-                frac = 1.0 - (iteration - 1.0) / num_iterations
-                lr.copy_(frac * args.learning_rate)
+                lr_now = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
+                lr.copy_(lr_now)
 
             obs_list, done_list, act_list, logprob_list, value_list, reward_list = [], [], [], [], [], []
             with torch.no_grad():
@@ -457,9 +646,7 @@ def main(args: Args):
                     reward_list.append(reward)
                     next_obs = torch.as_tensor(next_obs_np, device=device, dtype=torch.float)
                     next_done = torch.as_tensor(np.logical_or(terminations, truncations), device=device, dtype=torch.float)
-                    if "final_info" in infos:
-                        final = infos["final_info"]
-                        recent_returns.extend(final["episode"]["r"][final["_episode"]].tolist())
+                    run.episodes(global_step, infos)
 
                 obs_b = torch.stack(obs_list)
                 dones = torch.stack(done_list[1:] + [next_done])
@@ -470,7 +657,7 @@ def main(args: Args):
                 next_value = policy(next_obs)[2].clone()
                 advantages, returns = gae(rewards, values, dones, next_value)
 
-            flat = (
+            batch = (
                 obs_b.reshape(batch_size, n_obs),
                 torch.stack(act_list).reshape(batch_size, n_act),
                 torch.stack(logprob_list).reshape(batch_size),
@@ -478,102 +665,38 @@ def main(args: Args):
                 returns.reshape(batch_size),
                 values.reshape(batch_size),
             )
-            if args.save_model:
-                last_good = {k: v.clone() for k, v in agent.state_dict().items()}
-            stats = torch.zeros(len(METRICS), device=device)
+            clipfrac_sum = torch.zeros((), device=device)
             for epoch in range(args.update_epochs):
-                order = torch.randperm(batch_size, device=device).split(minibatch_size)
-                epoch_stats = torch.zeros(len(METRICS), device=device)
-                for idx in order:
+                for idx in torch.randperm(batch_size, device=device).split(minibatch_size):
                     if cudagraphs:
                         torch.compiler.cudagraph_mark_step_begin()
-                    epoch_stats += update(*flat, idx)
+                    # The graphed output is overwritten by the next call: the last one is read.
+                    metrics = update(*batch, idx)
+                    clipfrac_sum += metrics[CLIPFRAC]
                     updates += 1
-                stats += epoch_stats
-                # note: a host sync, paid once per epoch and only when --target-kl is set
-                if args.target_kl is not None and epoch_stats[METRICS.index("approx_kl")] / len(order) > args.target_kl:
+                # note: a host sync, once per epoch and only with --target-kl
+                if args.target_kl is not None and metrics[APPROX_KL].item() > args.target_kl:
                     break
 
-            # Logging, once per iteration: the host syncs of this loop are all here.
-            stats = dict(zip(METRICS, (stats / (len(order) * (epoch + 1))).tolist()))
-            if not math.isfinite(stats["loss"]):
-                stop_reason = f"non-finite loss {stats['loss']} at step {global_step} (iteration {iteration})"
+            # As CleanRL: the last minibatch's losses, clipfrac over all minibatches.
+            y_pred, y_true = values.flatten(), returns.flatten()
+            var_y = y_true.var(unbiased=False)
+            explained_var = torch.where(var_y > 0, 1 - (y_true - y_pred).var(unbiased=False) / var_y, torch.nan)
+            clipfrac = clipfrac_sum / ((epoch + 1) * args.num_minibatches)
+            # note: the loop's only host sync is here, once per iteration
+            *values_now, explained_var = torch.stack([*metrics[:CLIPFRAC], clipfrac, explained_var]).tolist()
+            losses = dict(zip(METRICS, values_now))
+            bad = next((k for k, v in losses.items() if not math.isfinite(v)), None)
+            if bad:
+                run.stop_reason = f"non-finite {bad[len('losses/'):]} {losses[bad]} at step {global_step}"
                 break
-            if warmup_s is None:
-                warmup_s = time.perf_counter() - start_time
-                warm_step, warm_time = global_step, time.perf_counter()
-            sps = (global_step - warm_step) / max(time.perf_counter() - warm_time, 1e-9) if global_step > warm_step else float("nan")
-            mean_return = float(np.mean(recent_returns)) if recent_returns else float("nan")
-            pbar.update(batch_size)
-            pbar.set_description(f"sps={sps:6.0f} return={mean_return:8.2f}")
-            if recent_returns:
-                curve.append((global_step, round(time.perf_counter() - start_time, 3), round(mean_return, 3)))
-            if wandb is not None:
-                y_pred, y_true = values.flatten(), returns.flatten()
-                var_y = y_true.var()
-                explained_var = (1 - (y_true - y_pred).var() / var_y).item() if var_y > 0 else float("nan")
-                log = {f"losses/{k}": v for k, v in stats.items() if k not in ("grad_norm", "loss")}
-                log.update({"charts/learning_rate": lr.item(), "losses/explained_variance": explained_var, "charts/SPS": sps})
-                if recent_returns:
-                    log["charts/episodic_return"] = mean_return
-                wandb.log(log, step=global_step)
+            metrics = {"charts/learning_rate": lr_now, **losses, "losses/explained_variance": explained_var}
+            run.log(global_step, updates, metrics, networks)
     except KeyboardInterrupt:
-        interrupted = True
-        print(f"notice: interrupted at step {global_step}; saving what there is", file=sys.stderr)
-    finally:
-        pbar.close()
-
-    end_time = time.perf_counter()
-    saved = None
-    if args.save_model:
-        # The state after the last finite update, if the run stopped on a non-finite loss.
-        saved = save_checkpoint(checkpoint_path, last_good if stop_reason else agent.state_dict(), envs, args)
-        print(f"notice: model saved to {saved}", file=sys.stderr)
-    eval_return = None
-    if args.eval_episodes > 0 and stop_reason is None:
-        eval_return = evaluate(agent, envs, args, run_name, device)
+        run.interrupted = run.interrupted or signal.SIGINT
     envs.close()
-
-    summary = {
-        "script": os.path.basename(__file__),
-        "env_id": args.env_id,
-        "seed": args.seed,
-        "compile": args.compile,
-        "cudagraphs": cudagraphs,
-        "device": device.type,
-        "total_steps": global_step,
-        "wall_s": round(end_time - start_time, 3),
-        "sps": round((global_step - warm_step) / (end_time - warm_time), 1) if global_step > warm_step else None,
-        "warmup_s": round(warmup_s, 3) if warmup_s is not None else None,
-        "episodic_return": float(np.mean(recent_returns)) if recent_returns else None,
-        "updates": updates,
-        "eval_return": eval_return,
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "interrupted": interrupted,
-        "checkpoint": saved,
-        "curve": curve[:: max(1, len(curve) // 200)],
-    }
-    if wandb is not None:
-        wandb.finish()
-    print(json.dumps(summary), flush=True)
-    if stop_reason:
-        fail(stop_reason)
-
-
-def parse_args() -> Args:
-    """tyro's command line, where a boolean is a flag (`--compile`, `--no-autotune`), also taking
-    the spelling `--autotune false` or `--autotune=False`."""
-    flags = {"--" + name.replace("_", "-") for name, kind in Args.__annotations__.items() if kind is bool}
-    argv = []
-    for arg in sys.argv[1:]:
-        flag, eq, value = arg.partition("=")
-        if not eq and argv and argv[-1] in flags and arg.lower() in ("true", "false"):
-            flag, value = argv.pop(), arg
-        if flag in flags and value.lower() in ("true", "false"):
-            arg = flag if value.lower() == "true" else "--no-" + flag[2:]
-        argv.append(arg)
-    return tyro.cli(Args, args=argv)
+    run.finish(global_step, networks, lambda: evaluate(agent, networks["obs_rms"], args, run.name, device), device=device.type, cudagraphs=cudagraphs)
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    main(tyro.cli(Args))

@@ -1,106 +1,118 @@
-"""PPO (continuous actions): compiled update against eager, GAE against the reference loop,
-determinism, learning, and bad input."""
+"""PPO pair (continuous actions): the lean update against the plain update's math, compiled
+against eager, GAE against the reference loop, the --target-kl rule, checkpoints that carry the
+observation statistics across the pair, determinism, bad input, and learning."""
 
 import copy
+import csv
+import math
 
 import pytest
 import torch
 
 from conftest import TINY, assert_one_line_error, load_script, run_script, scripts
 
-PAIR = scripts("ppo_continuous_action*.py")
-LEAN = scripts("ppo_continuous_action_torchcompile.py")[0]
+PLAIN_PATH = scripts("ppo_continuous_action.py")[0]
+LEAN_PATH = scripts("ppo_continuous_action_torchcompile.py")[0]
+BOTH = [PLAIN_PATH, LEAN_PATH]
 N_OBS, N_ACT, BATCH, MINIBATCH = 11, 3, 256, 64
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return load_script(PLAIN_PATH)
+
+
+@pytest.fixture(scope="module")
+def lean():
+    return load_script(LEAN_PATH)
 
 
 def random_batch(generator):
     def randn(*shape):
         return torch.randn(*shape, generator=generator)
 
-    return (
-        randn(BATCH, N_OBS),
-        randn(BATCH, N_ACT),
-        randn(BATCH) - 3.0,
-        randn(BATCH),
-        randn(BATCH),
-        randn(BATCH),
-    )
+    return randn(BATCH, N_OBS), randn(BATCH, N_ACT), randn(BATCH) - 3.0, randn(BATCH), randn(BATCH), randn(BATCH)
 
 
-def make_updates(lean, args, compiled):
-    """Two agents with equal parameters, each with its own update (eager, or compiled)."""
+def lean_update(lean, agent, args, compiled):
+    lr = torch.tensor(args.learning_rate)
+    optimizer = lean.Adam(agent.named_parameters(), lr, eps=1e-5, fused=not compiled)
+    update = lean.make_update(agent, optimizer, args)
+    return (torch.compile(update, fullgraph=True) if compiled else update), lr
+
+
+def plain_step(plain, agent, optimizer, args, minibatch):
+    """The plain script's minibatch step, as written in its loop."""
+    obs, actions, logprobs, advantages, returns, values = minibatch
+    _, newlogprob, entropy, newvalue = agent.get_action_and_value(obs, actions)
+    logratio = newlogprob - logprobs
+    ratio = logratio.exp()
+    with torch.no_grad():
+        old_approx_kl = (-logratio).mean()
+        approx_kl = ((ratio - 1) - logratio).mean()
+        clipfrac = ((ratio - 1.0).abs() > args.clip_coef).float().mean()
+    advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+    pg_loss = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)).mean()
+    newvalue = newvalue.view(-1)
+    v_clipped = values + torch.clamp(newvalue - values, -args.clip_coef, args.clip_coef)
+    v_loss = 0.5 * torch.max((newvalue - returns) ** 2, (v_clipped - returns) ** 2).mean()
+    entropy_loss = entropy.mean()
+    loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
+    optimizer.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+    optimizer.step()
+    return torch.stack([v_loss, pg_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac]).detach()
+
+
+def test_lean_update_is_the_plain_update(plain, lean):
+    """From the same parameters and minibatches, the lean step (torch.func, clipping on the
+    gradient dict, fused functional Adam with a tensor lr annealed in place) gives the plain
+    step's metrics and parameters: `loss.backward()`, `clip_grad_norm_`, `optim.Adam(eps=1e-5)`.
+    A small max_grad_norm makes the clipping bite. Tolerance: rtol 1e-5, atol 1e-6 (float32
+    round-off of two summation orders; a wrong term moves the values by far more)."""
+    args = lean.Args(max_grad_norm=0.05, ent_coef=0.01)
     torch.manual_seed(0)
-    agents = [lean.Agent(N_OBS, N_ACT)]
-    agents.append(copy.deepcopy(agents[0]))
-    updates = []
-    for agent, compile_it in zip(agents, compiled):
-        update = lean.make_update(agent, torch.tensor(args.learning_rate), args)
-        updates.append(torch.compile(update, fullgraph=True) if compile_it else update)
-    return agents, updates
+    plain_agent = plain.Agent(N_OBS, N_ACT)
+    lean_agent = lean.Agent(N_OBS, N_ACT)
+    lean_agent.load_state_dict(plain_agent.state_dict())
+    initial = copy.deepcopy(plain_agent)
+    update, lr = lean_update(lean, lean_agent, args, compiled=False)
+    optimizer = torch.optim.Adam(plain_agent.parameters(), lr=args.learning_rate, eps=1e-5)
+    g = torch.Generator().manual_seed(2)
+    batch = random_batch(g)
+    for step in range(4):
+        frac = 1.0 - step / 4  # annealed as the loops do
+        lr.copy_(frac * args.learning_rate)
+        optimizer.param_groups[0]["lr"] = frac * args.learning_rate
+        idx = torch.randperm(BATCH, generator=g)[:MINIBATCH]
+        expected = plain_step(plain, plain_agent, optimizer, args, [t[idx] for t in batch])
+        torch.testing.assert_close(update(*batch, idx), expected, rtol=1e-5, atol=1e-6)
+    for name, value in plain_agent.state_dict().items():
+        torch.testing.assert_close(lean_agent.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert not torch.equal(plain_agent.actor_mean[0].weight, initial.actor_mean[0].weight)
 
 
-def assert_same_parameters(agent_a, agent_b, **tolerance):
-    for (name, a), (_, b) in zip(agent_a.named_parameters(), agent_b.named_parameters()):
-        torch.testing.assert_close(b, a, msg=name, **tolerance)
-
-
-def test_compiled_update_matches_eager():
-    """From the same parameters and the same minibatches, three compiled steps (gather, forward,
-    backward, clipping, Adam) agree with three eager steps within float32 round-off.
+def test_compiled_update_matches_eager(lean):
+    """Three compiled steps (one graph, per-tensor Adam) agree with three eager steps (fused
+    Adam), with the lr tensor changed in place between them.
 
     Tolerance: rtol 1e-4, atol 1e-5. Inductor reorders float32 reductions, which moves the
     results by ~1e-6; a wrong coefficient or a dropped term moves them by far more."""
-    lean = load_script(LEAN)
     args = lean.Args()
-    agents, updates = make_updates(lean, args, compiled=(False, True))
-    initial = copy.deepcopy(agents[0])
+    torch.manual_seed(0)
+    agents = [lean.Agent(N_OBS, N_ACT)]
+    agents.append(copy.deepcopy(agents[0]))
+    (eager, lr_eager), (compiled, lr_compiled) = (lean_update(lean, a, args, c) for a, c in zip(agents, (False, True)))
     g = torch.Generator().manual_seed(1)
     batch = random_batch(g)
-    for _ in range(3):
+    for step in range(3):
+        for lr in (lr_eager, lr_compiled):
+            lr.copy_((1.0 - step / 3) * args.learning_rate)
         idx = torch.randperm(BATCH, generator=g)[:MINIBATCH]
-        eager_stats, compiled_stats = (update(*batch, idx) for update in updates)
-        torch.testing.assert_close(compiled_stats, eager_stats, rtol=1e-4, atol=1e-5)
-    assert_same_parameters(agents[0], agents[1], rtol=1e-4, atol=1e-5)
-    assert not torch.equal(agents[0].actor_mean[0].weight, initial.actor_mean[0].weight)
-
-
-def test_update_is_clip_grad_norm_then_adam():
-    """The lean step's hand-fused optimizer is torch's: the same loss, `loss.backward()`,
-    `nn.utils.clip_grad_norm_` and `optim.Adam(eps=1e-5)` give the same parameters.
-    A small max_grad_norm makes the clipping bite."""
-    lean = load_script(LEAN)
-    args = lean.Args(max_grad_norm=0.05)
-    agents, (update, _) = make_updates(lean, args, compiled=(False, False))
-    reference = agents[1]
-    optimizer = torch.optim.Adam(reference.parameters(), lr=args.learning_rate, eps=1e-5)
-    g = torch.Generator().manual_seed(2)
-    batch = random_batch(g)
-    for _ in range(3):
-        idx = torch.randperm(BATCH, generator=g)[:MINIBATCH]
-        stats = update(*batch, idx)
-        loss = reference_loss(lean, reference, args, [t[idx] for t in batch])
-        optimizer.zero_grad()
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), args.max_grad_norm)
-        optimizer.step()
-        torch.testing.assert_close(stats[-1], norm)
-        torch.testing.assert_close(stats[-2], loss.detach())
-    assert norm > args.max_grad_norm
-    assert_same_parameters(reference, agents[0], rtol=1e-5, atol=1e-7)
-
-
-def reference_loss(lean, agent, args, minibatch):
-    """PPO's loss as the plain script writes it, with torch.distributions.Normal."""
-    obs, actions, logprobs, advantages, returns, values = minibatch
-    action_mean = agent.actor_mean(obs)
-    dist = torch.distributions.Normal(action_mean, agent.actor_logstd.expand_as(action_mean).exp())
-    ratio = (dist.log_prob(actions).sum(1) - logprobs).exp()
-    advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
-    pg_loss = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)).mean()
-    newvalue = agent.critic(obs).view(-1)
-    v_clipped = values + (newvalue - values).clamp(-args.clip_coef, args.clip_coef)
-    v_loss = 0.5 * torch.max((newvalue - returns) ** 2, (v_clipped - returns) ** 2).mean()
-    return pg_loss - args.ent_coef * dist.entropy().sum(1).mean() + args.vf_coef * v_loss
+        torch.testing.assert_close(compiled(*batch, idx), eager(*batch, idx), rtol=1e-4, atol=1e-5)
+    for (name, a), (_, b) in zip(agents[0].named_parameters(), agents[1].named_parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def reference_gae(rewards, values, dones, next_value, gamma, gae_lambda):
@@ -118,8 +130,7 @@ def reference_gae(rewards, values, dones, next_value, gamma, gae_lambda):
     return advantages
 
 
-def test_gae_matches_reference_loop():
-    lean = load_script(LEAN)
+def test_gae_matches_reference_loop(lean):
     g = torch.Generator().manual_seed(0)
     rewards, values = torch.randn(50, 3, generator=g), torch.randn(50, 3, generator=g)
     dones = (torch.rand(50, 3, generator=g) < 0.1).float()
@@ -133,15 +144,96 @@ def test_gae_matches_reference_loop():
     torch.testing.assert_close(advantages[-1, 0], rewards[-1, 0] - values[-1, 0])
 
 
-@pytest.mark.parametrize("script", PAIR, ids=lambda s: s.stem)
-def test_same_seed_same_summary(script, workdir):
-    timing = {"wall_s", "sps", "warmup_s", "peak_rss_mb", "curve"}
-    runs = [run_script(script, *TINY["ppo_continuous_action"], cwd=workdir)[0] for _ in range(2)]
+# --target-kl: the approx_kl of each (epoch, minibatch), scripted. Epoch 0 ends below the
+# target but averages above it; epoch 1 ends above it. CleanRL's rule (the last minibatch's
+# approx_kl, after each epoch) stops after epoch 1: 2 epochs of 2 minibatches. The epoch mean
+# would stop after epoch 0 (2 updates), no rule at all after 4 epochs (8 updates).
+TARGET_KL, OFFSET = 1.0, 2.0  # a log-ratio offset of 2 gives approx_kl = e^2 - 1 - 2 = 4.39
+SCRIPTED = {(0, 0), (1, 1)}
+
+
+@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
+def test_target_kl_stops_after_the_epoch_whose_last_minibatch_exceeds_it(path, plain, lean, monkeypatch, tmp_path):
+    module = plain if path == PLAIN_PATH else lean
+    minibatches, calls, logged = 2, [0], []
+
+    def scripted(k):
+        return (k // minibatches, k % minibatches) in SCRIPTED
+
+    if module is plain:
+        # The plain loop computes approx_kl from the log-ratio: shift the new log-probabilities.
+        get_action_and_value = plain.Agent.get_action_and_value
+
+        def shifted(self, x, action=None):
+            out = get_action_and_value(self, x, action)
+            if action is None:  # acting: a new rollout, a new update phase
+                calls[0] = 0
+                return out
+            calls[0] += 1
+            return out[0], out[1] + (OFFSET if scripted(calls[0] - 1) else 0.0), *out[2:]
+
+        monkeypatch.setattr(plain.Agent, "get_action_and_value", shifted)
+    else:
+        make_policy, make_update = lean.make_policy, lean.make_update
+
+        def counting_policy(agent):
+            policy = make_policy(agent)
+
+            def wrapped(obs):
+                calls[0] = 0
+                return policy(obs)
+
+            return wrapped
+
+        def scripted_update(agent, optimizer, args):
+            update = make_update(agent, optimizer, args)
+
+            def wrapped(*args):
+                metrics = update(*args).clone()
+                calls[0] += 1
+                metrics[lean.APPROX_KL] = math.exp(OFFSET) - 1 - OFFSET if scripted(calls[0] - 1) else 0.0
+                return metrics
+
+            return wrapped
+
+        monkeypatch.setattr(lean, "make_policy", counting_policy)
+        monkeypatch.setattr(lean, "make_update", scripted_update)
+    monkeypatch.setattr(module.Run, "log", lambda self, step, updates, metrics, networks: logged.append((updates, metrics["losses/approx_kl"])))
+    monkeypatch.chdir(tmp_path)
+    module.main(module.Args(env_id="InvertedPendulum-v5", total_timesteps=256, num_steps=64, num_minibatches=minibatches, update_epochs=4, target_kl=TARGET_KL))
+    updates = [u for u, _ in logged]
+    assert [b - a for a, b in zip([0] + updates, updates)] == [4, 4, 4, 4]
+    assert all(kl > TARGET_KL for _, kl in logged)  # the logged approx_kl is the last minibatch's
+
+
+@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
+def test_same_seed_same_run(path, workdir):
+    timing = {"wall_s", "sps", "warmup_s", "peak_rss_mb", "run_dir"}
+    runs = [run_script(path, *TINY["ppo_continuous_action"], cwd=workdir)[0] for _ in range(2)]
     first, second = ({k: v for k, v in run.items() if k not in timing} for run in runs)
-    assert first == second
+    assert first == second and first["updates"] == 16
     # The learning curve too, but for its wall-clock column.
-    assert [(step, ret) for step, _, ret in runs[0]["curve"]] == [(step, ret) for step, _, ret in runs[1]["curve"]]
-    assert runs[0]["curve"]
+    curves = [[(r["step"], r["episodic_return"]) for r in csv.DictReader(open(workdir / run["run_dir"] / "curve.csv"))] for run in runs]
+    assert curves[0] == curves[1] and curves[0]
+
+
+def test_checkpoints_carry_observation_statistics_across_the_pair(workdir):
+    """Each script's checkpoint holds the agent and the observation statistics as tensors
+    (weights_only), under the same names; either script evaluates either checkpoint alike."""
+    saved = {}
+    for path in BOTH:
+        summary, _ = run_script(path, *TINY["ppo_continuous_action"], "--save-model", cwd=workdir)
+        checkpoint = torch.load(workdir / summary["checkpoint"], map_location="cpu", weights_only=True)
+        assert set(checkpoint["model"]) == {"agent", "obs_rms"}
+        rms = checkpoint["model"]["obs_rms"]
+        assert rms["mean"].shape == rms["var"].shape == (1, 4) and rms["count"].item() > 256 and rms["mean"].abs().sum() > 0
+        saved[path] = summary["checkpoint"]
+    for checkpoint in saved.values():
+        returns = [
+            run_script(path, *TINY["ppo_continuous_action"], "--total-timesteps", "0", "--load-model", checkpoint, "--eval-episodes", "2", cwd=workdir)[0]["eval_return"]
+            for path in BOTH
+        ]
+        assert returns[0] == returns[1] is not None
 
 
 # Budget: 40 iterations of 1024 steps (40,960 env steps), about a minute per script on this
@@ -151,37 +243,39 @@ LEARNING_THRESHOLD = 500.0
 
 
 @pytest.mark.learning
-@pytest.mark.parametrize("script", PAIR, ids=lambda s: s.stem)
-def test_learns_inverted_pendulum(script, workdir):
-    extra = ["--compile"] if script == LEAN else []
+@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
+def test_learns_inverted_pendulum(path, workdir):
+    extra = ["--compile"] if path == LEAN_PATH else []
     summary, _ = run_script(
-        script, "--env-id", "InvertedPendulum-v5", "--total-timesteps", "40960", "--num-steps", "1024",
+        path, "--env-id", "InvertedPendulum-v5", "--total-timesteps", "40960", "--num-steps", "1024",
         "--seed", "1", *extra, cwd=workdir, timeout=900,
     )
     assert summary["episodic_return"] >= LEARNING_THRESHOLD, summary
 
 
-@pytest.mark.parametrize("script", PAIR, ids=lambda s: s.stem)
+@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
 @pytest.mark.parametrize(
     "bad_args, words",
     [
         (["--env-id", "NoSuchEnv-v9"], ["NoSuchEnv-v9", "--env-id"]),
         (["--env-id", "CartPole-v1"], ["Discrete", "continuous"]),
         (["--num-minibatches", "7"], ["--num-minibatches", "divide"]),
+        (["--total-timesteps", "63"], ["--total-timesteps", "one batch", "64"]),
+        (["--num-minibatches", "64"], ["--num-minibatches", "minibatches of 1", "--no-norm-adv"]),
     ],
-    ids=["unknown-env", "discrete-env", "minibatches"],
+    ids=["unknown-env", "discrete-env", "minibatches", "below-one-batch", "minibatch-of-one"],
 )
-def test_bad_input_is_one_clear_line(script, bad_args, words, workdir):
-    args = TINY["ppo_continuous_action"] + bad_args
-    _, proc = run_script(script, *args, cwd=workdir, check=False)
+def test_bad_input_is_one_clear_line(path, bad_args, words, workdir):
+    _, proc = run_script(path, *TINY["ppo_continuous_action"], *bad_args, cwd=workdir, check=False)
     assert_one_line_error(proc, *words)
+    assert proc.returncode == 2
 
 
-@pytest.mark.parametrize("script", PAIR, ids=lambda s: s.stem)
-def test_non_finite_loss_stops_with_one_line_and_keeps_last_good_weights(script, workdir):
-    """A learning rate of 1e30 blows the first update up: the run stops with one line naming the
-    step, after printing its summary and saving the weights from before that update."""
-    summary, proc = run_script(script, *TINY["ppo_continuous_action"], "--learning-rate", "1e30", "--save-model", cwd=workdir, check=False)
-    assert_one_line_error(proc, "non-finite", "at step")
-    checkpoint = torch.load(workdir / summary["checkpoint"], map_location="cpu", weights_only=False)
-    assert all(torch.isfinite(t).all() for t in checkpoint["model"].values())
+@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
+def test_non_finite_loss_stops_with_one_line_and_saves_no_broken_weights(path, workdir):
+    """A learning rate of 1e30 blows the first iteration up: the run stops with one line naming
+    the step, after its summary, and saves nothing, since no log point had finite weights."""
+    args = [*TINY["ppo_continuous_action"], "--learning-rate", "1e30", "--save-model"]
+    summary, proc = run_script(path, *args, cwd=workdir, check=False)
+    assert_one_line_error(proc, "non-finite", "at step 64")
+    assert proc.returncode == 1 and summary["checkpoint"] is None and "no checkpoint saved" in proc.stderr
