@@ -1,11 +1,11 @@
 """TD3 for continuous actions, plain PyTorch in the CleanRL style: the baseline.
 
 Twin Delayed Deep Deterministic policy gradient (Fujimoto et al., 2018,
-https://arxiv.org/abs/1802.09477): clipped double-Q learning with twin critics, delayed policy
-and target updates, and target policy smoothing. The defaults and the learning are those of
-CleanRL's `td3_continuous_action.py`. Same defaults and the same learning as the lean script
-`td3_continuous_action_torchcompile.py`, which is the same algorithm made fast; this file is
-what the speed-ups are measured against.
+https://arxiv.org/abs/1802.09477) with the details and defaults of CleanRL's
+`td3_continuous_action.py`: clipped double-Q learning with twin critics, delayed policy and
+target updates, and target policy smoothing. The lean script
+`td3_continuous_action_torchcompile.py` learns the same way, faster; this file is what its
+speed-ups are measured against.
 
     python leanrl/td3_continuous_action.py
     python leanrl/td3_continuous_action.py --env-id Hopper-v5
@@ -18,11 +18,11 @@ import math
 import os
 import random
 import resource
+import signal
 import sys
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import gymnasium as gym
 import numpy as np
@@ -76,7 +76,7 @@ class Args:
     tau: float = 0.005
     """target smoothing coefficient (default: 0.005)"""
     batch_size: int = 256
-    """the batch size of sample from the reply memory"""
+    """the batch size of sample from the replay memory"""
     policy_noise: float = 0.2
     """the scale of policy noise"""
     exploration_noise: float = 0.1
@@ -89,25 +89,9 @@ class Args:
     """noise clip parameter of the Target Policy Smoothing Regularization"""
 
 
-def fail(message: str):
-    """Bad input ends the run with one line on stderr and exit status 2, never a traceback."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def check_args(args):
-    if args.num_envs < 1:
-        fail(f"--num-envs {args.num_envs} must be at least 1")
-    if args.policy_frequency < 1:
-        fail(f"--policy-frequency {args.policy_frequency} must be at least 1 (the actor is updated every that many updates)")
-    if args.batch_size < 1:
-        fail(f"--batch-size {args.batch_size} must be at least 1")
-    if args.batch_size > args.learning_starts:
-        fail(f"--batch-size {args.batch_size} is larger than --learning-starts {args.learning_starts}: the first update would sample more transitions than the buffer holds; lower --batch-size or raise --learning-starts")
-    if args.buffer_size < max(args.batch_size, args.num_envs):
-        fail(f"--buffer-size {args.buffer_size} must hold at least one batch (--batch-size {args.batch_size}) and one step of every env (--num-envs {args.num_envs})")
-    if args.env_id not in gym.registry:
-        fail(f"unknown environment id {args.env_id!r}: pass --env-id with a registered gymnasium id, e.g. HalfCheetah-v5")
+ALGORITHM = "td3_continuous_action"
+# Losses and the progress bar are logged every LOG_EVERY environment steps, as in CleanRL.
+LOG_EVERY = 100
 
 
 def make_env(env_id, idx, capture_video, run_name):
@@ -125,19 +109,22 @@ def make_env(env_id, idx, capture_video, run_name):
 
 def make_envs(args, run_name, num_envs, capture_video=False):
     """The vector env, or one clear line for an env this script cannot use."""
-    if capture_video:
-        if importlib.util.find_spec("moviepy") is None:
-            fail("--capture-video needs moviepy: pip install 'leanrl[video]'")
-        # MuJoCo renders off-screen through EGL, which needs no display; MUJOCO_GL=glfw or
-        # osmesa set by the user wins.
-        os.environ.setdefault("MUJOCO_GL", "egl")
-    thunks = [make_env(args.env_id, i, capture_video, run_name) for i in range(num_envs)]
+    if args.env_id not in gym.registry:
+        fail(f"unknown environment id {args.env_id!r}: pass --env-id with a registered gymnasium id, e.g. HalfCheetah-v5")
+    if capture_video and importlib.util.find_spec("moviepy") is None:
+        fail("--capture-video needs moviepy: pip install 'leanrl[video]'")
     try:
-        # SAME_STEP autoreset: the step that ends an episode already returns the first
-        # observation of the next one, and the true final observation is in infos["final_obs"].
-        # Every step is then one real transition, stored with the final observation as its next
-        # observation (see `real_next_obs`). Under the NEXT_STEP default the step after a done
-        # would be a reset step whose (obs, next_obs) pair spans two episodes.
+        if capture_video:  # a missing renderer fails here, not at the first recorded frame
+            # MuJoCo renders off-screen through EGL, which needs no display; a MUJOCO_GL set by the user wins.
+            os.environ.setdefault("MUJOCO_GL", "egl")
+            probe = gym.make(args.env_id, render_mode="rgb_array")
+            probe.reset(seed=args.seed)
+            probe.render()
+            probe.close()
+        # SAME_STEP autoreset: the step that ends an episode returns the first observation of the
+        # next one and the true last one in infos["final_obs"], so every step is one real
+        # transition and none spans an autoreset.
+        thunks = [make_env(args.env_id, i, capture_video, run_name) for i in range(num_envs)]
         envs = gym.vector.SyncVectorEnv(thunks, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
     except gym.error.DependencyNotInstalled as e:
         fail(f"{args.env_id} needs a missing dependency ({e}): for MuJoCo envs, pip install 'leanrl[mujoco]'")
@@ -149,54 +136,20 @@ def make_envs(args, run_name, num_envs, capture_video=False):
 
 
 def real_next_obs(next_obs, infos):
-    """The observation each env reached: the final one where an episode ended on this step.
-
-    Under SAME_STEP autoreset `next_obs` already starts the next episode there; storing it would
-    make a transition that spans two episodes. Termination and truncation both qualify: a
-    truncated transition bootstraps from its true final observation."""
-    if "_final_obs" in infos:
-        next_obs = next_obs.copy()
-        done = infos["_final_obs"]
-        next_obs[done] = np.stack(infos["final_obs"][done])
-    return next_obs
+    """The observation each env reached: `next_obs`, except where an episode just ended: there
+    `next_obs` already starts the next episode and the true last one is in infos."""
+    if "final_obs" not in infos:
+        return next_obs
+    real = next_obs.copy()
+    for i in np.flatnonzero(infos["_final_obs"]):
+        real[i] = infos["final_obs"][i]
+    return real
 
 
-class ReplayBufferSamples(NamedTuple):
-    observations: torch.Tensor
-    actions: torch.Tensor
-    next_observations: torch.Tensor
-    dones: torch.Tensor
-    rewards: torch.Tensor
-
-
-class ReplayBuffer:
-    """A ring buffer of transitions in host memory, sampled uniformly, as CleanRL's (SB3's)."""
-
-    def __init__(self, buffer_size, n_obs, n_act, device):
-        self.buffer_size, self.device = buffer_size, device
-        self.observations = np.zeros((buffer_size, n_obs), dtype=np.float32)
-        self.next_observations = np.zeros((buffer_size, n_obs), dtype=np.float32)
-        self.actions = np.zeros((buffer_size, n_act), dtype=np.float32)
-        self.rewards = np.zeros(buffer_size, dtype=np.float32)
-        # Terminations only: a truncated episode is not done, its next state has a value.
-        self.dones = np.zeros(buffer_size, dtype=np.float32)
-        self.pos, self.size = 0, 0
-
-    def add(self, obs, next_obs, actions, rewards, terminations):
-        rows = (self.pos + np.arange(len(obs))) % self.buffer_size
-        self.observations[rows] = obs
-        self.next_observations[rows] = next_obs
-        self.actions[rows] = actions
-        self.rewards[rows] = rewards
-        self.dones[rows] = terminations
-        self.pos = (self.pos + len(obs)) % self.buffer_size
-        self.size = min(self.size + len(obs), self.buffer_size)
-
-    def sample(self, batch_size):
-        idx = np.random.randint(0, self.size, size=batch_size)
-        return ReplayBufferSamples(
-            *(torch.as_tensor(a[idx]).to(self.device) for a in (self.observations, self.actions, self.next_observations, self.dones, self.rewards))
-        )
+def crossings(step: int, n: int, every: int) -> int:
+    """How many multiples of `every` the step counter passed going from step - n to step: with
+    several envs the counter moves by num_envs at a time."""
+    return step // every - (step - n) // every
 
 
 class QNetwork(nn.Module):
@@ -233,34 +186,31 @@ class Actor(nn.Module):
         return x * self.action_scale + self.action_bias
 
 
-def atomic_save(obj, path):
-    """Write then rename: a crash mid-save leaves the previous file whole, never a broken one."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    torch.save(obj, path + ".tmp")
-    os.replace(path + ".tmp", path)
-    return path
+class ReplayBuffer:
+    """A ring buffer of transitions in numpy arrays on the host, sampled uniformly."""
 
+    def __init__(self, buffer_size, n_obs, n_act):
+        check_memory(buffer_size * (2 * n_obs + n_act + 2) * 4, torch.device("cpu"), f"--buffer-size {buffer_size}")
+        self.obs = np.zeros((buffer_size, n_obs), dtype=np.float32)
+        self.actions = np.zeros((buffer_size, n_act), dtype=np.float32)
+        self.rewards = np.zeros(buffer_size, dtype=np.float32)
+        self.next_obs = np.zeros((buffer_size, n_obs), dtype=np.float32)
+        self.dones = np.zeros(buffer_size, dtype=np.float32)
+        self.buffer_size, self.pos, self.size = buffer_size, 0, 0
 
-def save_checkpoint(path, networks, args):
-    """`networks` maps "actor", "qf1", "qf2" to state dicts: the format the lean script writes too."""
-    checkpoint = {name: {k: v.detach().cpu() for k, v in state.items()} for name, state in networks.items()}
-    checkpoint["args"] = vars(args)
-    return atomic_save(checkpoint, path)
+    def add(self, obs, actions, rewards, next_obs, dones):
+        idx = (self.pos + np.arange(len(obs))) % self.buffer_size
+        self.obs[idx] = obs
+        self.actions[idx] = actions
+        self.rewards[idx] = rewards
+        self.next_obs[idx] = next_obs
+        self.dones[idx] = dones
+        self.pos = (self.pos + len(obs)) % self.buffer_size
+        self.size = min(self.size + len(obs), self.buffer_size)
 
-
-def load_checkpoint(path, modules):
-    if not os.path.isfile(path):
-        fail(f"no checkpoint at {path!r}: pass --load-model with a file written by --save-model")
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    missing = [name for name in modules if name not in checkpoint]
-    if missing:
-        fail(f"{path!r} is not a TD3 checkpoint (it lacks {', '.join(missing)})")
-    try:
-        for name, module in modules.items():
-            module.load_state_dict(checkpoint[name])
-    except RuntimeError:
-        saved_for = checkpoint.get("args", {}).get("env_id")
-        fail(f"{path!r} holds networks of other sizes (saved for {saved_for}); pass the --env-id it was trained on")
+    def sample(self, batch_size, device):
+        idx = np.random.randint(0, self.size, size=batch_size)
+        return tuple(torch.as_tensor(x[idx], device=device) for x in (self.obs, self.actions, self.rewards, self.next_obs, self.dones))
 
 
 def evaluate(actor, args, run_name, device):
@@ -278,29 +228,239 @@ def evaluate(actor, args, run_name, device):
     eval_envs.close()
     return float(np.mean(returns[: args.eval_episodes]))
 
+# ---------------------------------------------------------------- RUN
+# The same block in every LeanRL script: argument rules, the run's folder and metrics, signals,
+# checkpoints and the summary line. Nothing in it is specific to one algorithm.
+
+# One rule per flag, the same in every script that has the flag.
+COUNTS = ("num_envs", "num_steps", "num_minibatches", "update_epochs", "batch_size", "buffer_size",
+          "train_frequency", "target_network_frequency", "policy_frequency")
+RULES = {
+    "seed": (lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)"),
+    **{k: (lambda v: v >= 0, "0 or more") for k in ("total_timesteps", "learning_starts", "eval_episodes")},
+    **{k: (lambda v: v >= 1, "1 or more") for k in COUNTS},
+    **{k: (lambda v: math.isfinite(v) and v > 0, "a finite number > 0") for k in ("learning_rate", "q_lr", "policy_lr", "max_grad_norm")},
+    **{k: (lambda v: 0 < v <= 1, "a number in (0, 1]") for k in ("gamma", "tau")},
+    **{k: (lambda v: 0 <= v <= 1, "a number in [0, 1]") for k in ("gae_lambda", "start_e", "end_e", "exploration_fraction")},
+    **{k: (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
+       for k in ("clip_coef", "ent_coef", "vf_coef", "alpha", "policy_noise", "noise_clip", "exploration_noise")},
+    "target_kl": (lambda v: v is None or (math.isfinite(v) and v > 0), "a finite number > 0"),
+}
+
+
+def fail(message):
+    """Bad input ends the run with one line on stderr and exit status 2, never a traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_args(args):
+    for name, value in vars(args).items():
+        if name in RULES and not RULES[name][0](value):
+            fail(f"--{name.replace('_', '-')} {value} is out of range: use {RULES[name][1]}")
+    if args.total_timesteps == 0 and not args.load_model:
+        fail("--total-timesteps 0 trains nothing: give a budget, or --load-model to evaluate a checkpoint")
+
+
+def check_memory(nbytes, device, what):
+    """One line, before any work, for a buffer that will not fit in the device's free memory."""
+    try:
+        if device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0]
+        else:
+            free = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return
+    if nbytes > free:
+        fail(f"{what} needs {nbytes / 2**30:.1f} GiB and {device.type} has {free / 2**30:.1f} GiB free: make it smaller")
+
+
+def atomic_save(obj, path):
+    """Write then rename: a crash mid-save leaves the previous file whole, never a broken one."""
+    torch.save(obj, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def load_checkpoint(path, networks, env_id):
+    """Load a checkpoint of either script of the pair into `networks` (name -> module). Tensors
+    and plain types only (weights_only=True): a checkpoint cannot run code."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch.load raises many types for a file that is no checkpoint
+        fail(f"cannot load {path!r} ({type(e).__name__}): pass a file written by --save-model of {ALGORITHM}")
+    saved = checkpoint.get("algorithm") if isinstance(checkpoint, dict) else None
+    if saved != ALGORITHM:
+        fail(f"{path!r} is not a {ALGORITHM} checkpoint ({saved or 'unknown'}): pass one saved by {ALGORITHM}")
+    try:
+        for name, network in networks.items():
+            network.load_state_dict(checkpoint["model"][name])
+    except (KeyError, RuntimeError):
+        hint = f"pass --env-id {checkpoint['env_id']}" if checkpoint["env_id"] != env_id else "use the sizes it was trained with"
+        fail(f"{path!r} holds {ALGORITHM} networks for {checkpoint['env_id']} of other sizes: {hint}")
+
+
+class Run:
+    """Around the training loop: the folder runs/<run_name> (TensorBoard events when tensorboard
+    is installed, curve.csv, the checkpoint), wandb with --track, the progress bar, steps/s after
+    warm-up, SIGTERM handled as Ctrl-C, and the one-line JSON summary."""
+
+    def __init__(self, args, total_steps, warmup_updates=3):
+        self.args, self.warmup_updates = args, warmup_updates
+        self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        self.dir = f"runs/{self.name}"
+        self.wandb = self.writer = self.last_good = self.stop_reason = self.warmup_s = None
+        self.interrupted, self.returns = False, deque(maxlen=10)
+        self.step = self.updates = self.warm_step = 0
+        if args.track:
+            try:
+                import wandb
+            except ImportError:
+                fail("--track needs wandb: pip install wandb (or the extra leanrl[track])")
+            self.wandb = wandb
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+            self.curve = open(f"{self.dir}/curve.csv", "w")
+        except OSError as e:
+            fail(f"cannot write {self.dir} ({e.strerror}): run from a folder you can write to")
+        self.curve.write("step,seconds,episodic_return\n")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(self.dir)
+            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+        except ImportError:
+            print("notice: tensorboard is not installed; metrics go to --track only (pip install tensorboard)", file=sys.stderr)
+        if self.wandb:
+            self.wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=self.name, save_code=True)
+        self.total_steps, self.bar = total_steps, None
+        self.start = self.warm_time = time.perf_counter()
+        signal.signal(signal.SIGTERM, self.on_sigterm)
+
+    def on_sigterm(self, signum, frame):
+        """Schedulers stop jobs with SIGTERM: end the run as Ctrl-C does, saving first."""
+        self.interrupted = signal.SIGTERM
+        raise KeyboardInterrupt
+
+    def scalars(self, step, values):
+        if self.writer:
+            for key, value in values.items():
+                self.writer.add_scalar(key, value, step)
+        if self.wandb:
+            self.wandb.log(values, step=step)
+
+    def episodes(self, step, infos):
+        """CleanRL's charts, one point per finished episode, from gymnasium's episode statistics
+        (in infos["final_info"] under SAME_STEP autoreset)."""
+        info = infos.get("final_info", infos)
+        if "episode" in info:
+            done = info["_episode"]
+            for r, n in zip(info["episode"]["r"][done], info["episode"]["l"][done]):
+                self.returns.append(float(r))
+                self.scalars(step, {"charts/episodic_return": float(r), "charts/episodic_length": int(n)})
+
+    def sps(self):
+        if self.warmup_s is None or self.step <= self.warm_step:
+            return None
+        return (self.step - self.warm_step) / (time.perf_counter() - self.warm_time)
+
+    def log(self, step, updates, metrics, networks):
+        """A log point: steps/s (from the first log point with `warmup_updates` updates done, when
+        every compiled callable has run), bar, curve, metrics, and the weights as last good if
+        they are finite (with --save-model)."""
+        self.bar = self.bar or tqdm.tqdm(total=self.total_steps, file=sys.stderr)
+        self.bar.update(step - self.step)
+        self.step, self.updates, now = step, updates, time.perf_counter()
+        if self.warmup_s is None and updates >= self.warmup_updates:
+            self.warmup_s, self.warm_step, self.warm_time = now - self.start, step, now
+        sps, mean_return = self.sps(), np.mean(self.returns) if self.returns else float("nan")
+        self.bar.set_description(f"sps={sps or float('nan'):6.0f} return={mean_return:8.2f}")
+        if self.returns:
+            self.curve.write(f"{step},{now - self.start:.3f},{mean_return:.3f}\n")
+        self.scalars(step, {**metrics, "charts/SPS": sps or 0.0})
+        if self.args.save_model:
+            state = {name: {k: v.detach().clone() for k, v in net.state_dict().items()} for name, net in networks.items()}
+            if torch.stack([v.isfinite().all() for sd in state.values() for v in sd.values()]).all():
+                self.last_good = state
+
+    def finish(self, step, networks, evaluate, **fields):
+        """Save, evaluate, close and print the summary. Exit 1 after a non-finite loss, 130 after
+        Ctrl-C, 143 after SIGTERM; a checkpoint is only ever saved from finite weights."""
+        self.step = step
+        end_sps, wall_s = self.sps(), time.perf_counter() - self.start
+        if self.bar:
+            self.bar.close()
+        if self.interrupted:
+            print(f"notice: interrupted at step {self.step}; saving what there is", file=sys.stderr)
+        checkpoint, state = None, self.last_good
+        if self.args.save_model:
+            current = {name: net.state_dict() for name, net in networks.items()}
+            if self.stop_reason is None and all(v.isfinite().all() for sd in current.values() for v in sd.values()):
+                state = current
+            if state is None:
+                print("notice: the weights were never finite at a log point; no checkpoint saved", file=sys.stderr)
+            else:
+                model = {name: {k: v.detach().cpu() for k, v in sd.items()} for name, sd in state.items()}
+                saved = {"algorithm": ALGORITHM, "env_id": self.args.env_id, "args": vars(self.args), "model": model}
+                checkpoint = atomic_save(saved, f"{self.dir}/{self.args.exp_name}.pt")
+                print(f"notice: model saved to {checkpoint}", file=sys.stderr)
+        eval_return = None
+        if self.args.eval_episodes > 0 and self.stop_reason is None and not self.interrupted:
+            try:
+                eval_return = evaluate()
+            except KeyboardInterrupt:
+                self.interrupted = self.interrupted or signal.SIGINT
+        self.curve.close()
+        if self.writer:
+            self.writer.close()
+        if self.wandb:
+            self.wandb.finish()
+        summary = {
+            "script": os.path.basename(__file__), "env_id": self.args.env_id, "seed": self.args.seed,
+            "compile": getattr(self.args, "compile", False), "cudagraphs": False, **fields,
+            "total_steps": self.step, "updates": self.updates, "wall_s": wall_s, "sps": end_sps,
+            "warmup_s": self.warmup_s, "episodic_return": np.mean(self.returns) if self.returns else None,
+            "eval_return": eval_return, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "interrupted": bool(self.interrupted), "checkpoint": checkpoint, "run_dir": self.dir,
+        }
+        # Strict JSON: non-finite numbers become null.
+        summary = {k: (round(float(v), 3) if math.isfinite(v) else None) if isinstance(v, (float, np.floating)) else v for k, v in summary.items()}
+        print(json.dumps(summary), flush=True)
+        if self.stop_reason:
+            print(f"error: {self.stop_reason}", file=sys.stderr)
+            sys.exit(1)
+        if self.interrupted:
+            sys.exit(143 if self.interrupted == signal.SIGTERM else 130)
+
 
 def main(args: Args):
     check_args(args)
-    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    if args.batch_size > args.buffer_size:
+        fail(f"--batch-size {args.batch_size} is larger than --buffer-size {args.buffer_size}: make the buffer hold a batch")
+    if args.num_envs > args.buffer_size:
+        fail(f"--num-envs {args.num_envs} is larger than --buffer-size {args.buffer_size}: make the buffer hold one step of every env")
+    num_iterations = args.total_timesteps // args.num_envs
+    run = Run(args, num_iterations * args.num_envs)
 
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
-
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
 
-    envs = make_envs(args, run_name, args.num_envs, args.capture_video)
+    envs = make_envs(args, run.name, args.num_envs, args.capture_video)
     envs.action_space.seed(args.seed)
     n_obs = math.prod(envs.single_observation_space.shape)
     n_act = math.prod(envs.single_action_space.shape)
     low, high = envs.single_action_space.low, envs.single_action_space.high
+    action_low, action_high = torch.as_tensor(low, device=device), torch.as_tensor(high, device=device)
 
     actor = Actor(n_obs, n_act, low, high, device=device)
     qf1 = QNetwork(n_obs, n_act, device=device)
     qf2 = QNetwork(n_obs, n_act, device=device)
+    networks = {"actor": actor, "qf1": qf1, "qf2": qf2}
     if args.load_model:
-        load_checkpoint(args.load_model, {"actor": actor, "qf1": qf1, "qf2": qf2})
+        load_checkpoint(args.load_model, networks, args.env_id)
     qf1_target = QNetwork(n_obs, n_act, device=device)
     qf2_target = QNetwork(n_obs, n_act, device=device)
     target_actor = Actor(n_obs, n_act, low, high, device=device)
@@ -309,39 +469,15 @@ def main(args: Args):
     qf2_target.load_state_dict(qf2.state_dict())
     q_optimizer = optim.Adam(list(qf1.parameters()) + list(qf2.parameters()), lr=args.learning_rate)
     actor_optimizer = optim.Adam(list(actor.parameters()), lr=args.learning_rate)
-    action_low = torch.as_tensor(low, dtype=torch.float32, device=device)
-    action_high = torch.as_tensor(high, dtype=torch.float32, device=device)
 
-    wandb = None
-    if args.track:
-        import wandb
+    rb = ReplayBuffer(args.buffer_size, n_obs, n_act)
 
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=run_name, save_code=True)
-
-    rb = ReplayBuffer(args.buffer_size, n_obs, n_act, device)
-
-    def networks():
-        return {"actor": actor.state_dict(), "qf1": qf1.state_dict(), "qf2": qf2.state_dict()}
-
-    checkpoint_path = f"runs/{run_name}/{args.exp_name}.pt"
-    recent_returns = deque(maxlen=10)
-    curve = []  # (env steps, seconds, mean return) at each log point, for the benchmark's plots
-    global_step, updates, next_log = 0, 0, 0
-    start_time = time.perf_counter()
-    warmup_s, warm_step, warm_time = None, 0, start_time
-    last_good = None
-    interrupted = False
-    stop_reason = None
-    actor_loss = torch.zeros((), device=device)
-
+    global_step = updates = 0
+    qf_loss = None
+    actor_loss = torch.zeros(())
+    obs, _ = envs.reset(seed=args.seed)
     try:
-        obs, _ = envs.reset(seed=args.seed)
-    except gym.error.DependencyNotInstalled as e:
-        # RecordVideo renders the first frame here: an env that cannot render fails now.
-        fail(f"{args.env_id} cannot render for --capture-video: {e}")
-    pbar = tqdm.tqdm(total=args.total_timesteps, disable=args.total_timesteps == 0, file=sys.stderr)
-    try:
-        while global_step < args.total_timesteps:
+        for iteration in range(num_iterations):
             if global_step < args.learning_starts:
                 actions = envs.action_space.sample()
             else:
@@ -352,36 +488,26 @@ def main(args: Args):
                     actions = actions.cpu().numpy().clip(low, high)
 
             next_obs, rewards, terminations, truncations, infos = envs.step(actions)
-
-            if "final_info" in infos:
-                final = infos["final_info"]
-                for episodic_return, episodic_length in zip(final["episode"]["r"][final["_episode"]], final["episode"]["l"][final["_episode"]]):
-                    recent_returns.append(float(episodic_return))
-                    if wandb is not None:
-                        wandb.log({"charts/episodic_return": episodic_return, "charts/episodic_length": episodic_length}, step=global_step)
-
-            # Stored `dones` are the terminations only: a truncated episode bootstraps from the
-            # value of its final observation.
-            rb.add(obs, real_next_obs(next_obs, infos), actions, rewards, terminations)
-            obs = next_obs
             global_step += args.num_envs
-            pbar.update(args.num_envs)
+            run.episodes(global_step, infos)
+
+            # The done flag is the termination only: a time-limit truncation still bootstraps
+            # from the true last observation (see make_envs for the autoreset).
+            rb.add(obs, actions, rewards, real_next_obs(next_obs, infos), terminations)
+            obs = next_obs
 
             if global_step > args.learning_starts:
-                data = rb.sample(args.batch_size)
+                data_obs, data_actions, data_rewards, data_next_obs, data_dones = rb.sample(args.batch_size, device)
                 with torch.no_grad():
-                    clipped_noise = (torch.randn_like(data.actions, device=device) * args.policy_noise).clamp(
-                        -args.noise_clip, args.noise_clip
-                    ) * target_actor.action_scale
-
-                    next_state_actions = (target_actor(data.next_observations) + clipped_noise).clamp(action_low, action_high)
-                    qf1_next_target = qf1_target(data.next_observations, next_state_actions)
-                    qf2_next_target = qf2_target(data.next_observations, next_state_actions)
+                    clipped_noise = (torch.randn_like(data_actions) * args.policy_noise).clamp(-args.noise_clip, args.noise_clip) * target_actor.action_scale
+                    next_state_actions = (target_actor(data_next_obs) + clipped_noise).clamp(action_low, action_high)
+                    qf1_next_target = qf1_target(data_next_obs, next_state_actions)
+                    qf2_next_target = qf2_target(data_next_obs, next_state_actions)
                     min_qf_next_target = torch.min(qf1_next_target, qf2_next_target)
-                    next_q_value = data.rewards.flatten() + (1 - data.dones.flatten()) * args.gamma * (min_qf_next_target).view(-1)
+                    next_q_value = data_rewards + (1 - data_dones) * args.gamma * min_qf_next_target.view(-1)
 
-                qf1_a_values = qf1(data.observations, data.actions).view(-1)
-                qf2_a_values = qf2(data.observations, data.actions).view(-1)
+                qf1_a_values = qf1(data_obs, data_actions).view(-1)
+                qf2_a_values = qf2(data_obs, data_actions).view(-1)
                 qf1_loss = F.mse_loss(qf1_a_values, next_q_value)
                 qf2_loss = F.mse_loss(qf2_a_values, next_q_value)
                 qf_loss = qf1_loss + qf2_loss
@@ -393,7 +519,7 @@ def main(args: Args):
 
                 # Counted in updates, not env steps, so that --num-envs keeps the delay.
                 if updates % args.policy_frequency == 0:
-                    actor_loss = -qf1(data.observations, actor(data.observations)).mean()
+                    actor_loss = -qf1(data_obs, actor(data_obs)).mean()
                     actor_optimizer.zero_grad()
                     actor_loss.backward()
                     actor_optimizer.step()
@@ -406,89 +532,22 @@ def main(args: Args):
                     for param, target_param in zip(qf2.parameters(), qf2_target.parameters()):
                         target_param.data.copy_(args.tau * param.data + (1 - args.tau) * target_param.data)
 
-                if global_step >= next_log:
-                    next_log = global_step + 100
-                    losses = {
-                        "losses/qf1_values": qf1_a_values.mean().item(),
-                        "losses/qf2_values": qf2_a_values.mean().item(),
-                        "losses/qf1_loss": qf1_loss.item(),
-                        "losses/qf2_loss": qf2_loss.item(),
-                        "losses/qf_loss": qf_loss.item() / 2.0,
-                        "losses/actor_loss": actor_loss.item(),
-                    }
-                    bad = [k for k in ("losses/qf_loss", "losses/actor_loss") if not math.isfinite(losses[k])]
-                    if bad:
-                        stop_reason = f"non-finite {bad[0].split('/')[1]} {losses[bad[0]]} at step {global_step}"
-                        break
-                    if args.save_model:
-                        last_good = {name: {k: v.clone() for k, v in state.items()} for name, state in networks().items()}
-                    if warmup_s is None and updates >= 2 * args.policy_frequency:
-                        warmup_s = time.perf_counter() - start_time
-                        warm_step, warm_time = global_step, time.perf_counter()
-                    sps = (global_step - warm_step) / max(time.perf_counter() - warm_time, 1e-9) if warmup_s is not None and global_step > warm_step else float("nan")
-                    mean_return = float(np.mean(recent_returns)) if recent_returns else float("nan")
-                    pbar.set_description(f"sps={sps:6.0f} return={mean_return:8.2f}")
-                    if recent_returns:
-                        curve.append((global_step, round(time.perf_counter() - start_time, 3), round(mean_return, 3)))
-                    if wandb is not None:
-                        wandb.log({**losses, "charts/SPS": sps}, step=global_step)
+            if crossings(global_step, args.num_envs, LOG_EVERY) or iteration == num_iterations - 1:
+                stats = {} if qf_loss is None else {
+                    "losses/qf1_values": qf1_a_values.mean().item(), "losses/qf2_values": qf2_a_values.mean().item(),
+                    "losses/qf1_loss": qf1_loss.item(), "losses/qf2_loss": qf2_loss.item(),
+                    "losses/qf_loss": qf_loss.item() / 2.0, "losses/actor_loss": actor_loss.item(),
+                }
+                bad = [k for k in ("losses/qf_loss", "losses/actor_loss") if k in stats and not math.isfinite(stats[k])]
+                if bad:
+                    run.stop_reason = f"non-finite {bad[0][len('losses/'):]} {stats[bad[0]]} at step {global_step}"
+                    break
+                run.log(global_step, updates, stats, networks)
     except KeyboardInterrupt:
-        interrupted = True
-        print(f"notice: interrupted at step {global_step}; saving what there is", file=sys.stderr)
-    finally:
-        pbar.close()
-
-    end_time = time.perf_counter()
-    saved = None
-    if args.save_model:
-        # The weights at the last log point whose losses were finite, if the run stopped on a non-finite one.
-        saved = save_checkpoint(checkpoint_path, last_good if stop_reason and last_good else networks(), args)
-        print(f"notice: model saved to {saved}", file=sys.stderr)
-    eval_return = None
-    if args.eval_episodes > 0 and stop_reason is None:
-        eval_return = evaluate(actor, args, run_name, device)
+        run.interrupted = run.interrupted or signal.SIGINT
     envs.close()
-
-    summary = {
-        "script": os.path.basename(__file__),
-        "env_id": args.env_id,
-        "seed": args.seed,
-        "compile": False,
-        "cudagraphs": False,
-        "device": device.type,
-        "total_steps": global_step,
-        "wall_s": round(end_time - start_time, 3),
-        "sps": round((global_step - warm_step) / (end_time - warm_time), 1) if warmup_s is not None and global_step > warm_step else None,
-        "warmup_s": round(warmup_s, 3) if warmup_s is not None else None,
-        "episodic_return": float(np.mean(recent_returns)) if recent_returns else None,
-        "updates": updates,
-        "eval_return": eval_return,
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "interrupted": interrupted,
-        "checkpoint": saved,
-        "curve": curve[:: max(1, len(curve) // 200)],
-    }
-    if wandb is not None:
-        wandb.finish()
-    print(json.dumps(summary), flush=True)
-    if stop_reason:
-        fail(stop_reason)
-
-
-def parse_args() -> Args:
-    """tyro's command line, where a boolean is a flag (`--compile`, `--no-autotune`), also taking
-    the spelling `--autotune false` or `--autotune=False`."""
-    flags = {"--" + name.replace("_", "-") for name, kind in Args.__annotations__.items() if kind is bool}
-    argv = []
-    for arg in sys.argv[1:]:
-        flag, eq, value = arg.partition("=")
-        if not eq and argv and argv[-1] in flags and arg.lower() in ("true", "false"):
-            flag, value = argv.pop(), arg
-        if flag in flags and value.lower() in ("true", "false"):
-            arg = flag if value.lower() == "true" else "--no-" + flag[2:]
-        argv.append(arg)
-    return tyro.cli(Args, args=argv)
+    run.finish(global_step, networks, lambda: evaluate(actor, args, run.name, device), device=device.type)
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    main(tyro.cli(Args))

@@ -1,9 +1,14 @@
 """TD3 for continuous actions, lean: torch.compile, CUDA graphs and tensordict.
 
 Twin Delayed Deep Deterministic policy gradient (Fujimoto et al., 2018,
-https://arxiv.org/abs/1802.09477): clipped double-Q learning with twin critics, delayed policy
-and target updates, and target policy smoothing. Same defaults and the same learning as the
-plain script `td3_continuous_action.py` (CleanRL's); only the speed differs.
+https://arxiv.org/abs/1802.09477) with the details and defaults of CleanRL's
+`td3_continuous_action.py`: clipped double-Q learning with twin critics, delayed policy and
+target updates, and target policy smoothing. It learns as the plain script
+`td3_continuous_action.py` does; what changes is where the time goes: the replay buffer lives on
+the training device and is gathered inside the update, the twin critics run as one batched
+network, each update (gather, target, both losses, backward, Adam) is one function that compiles
+to one graph, the targets move by one lerp_, and nothing syncs the host with the device between
+two log points.
 
     python leanrl/td3_continuous_action_torchcompile.py
     python leanrl/td3_continuous_action_torchcompile.py --compile
@@ -16,11 +21,11 @@ import math
 import os
 import random
 import resource
+import signal
 import sys
 import time
 from collections import deque
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import gymnasium as gym
 import numpy as np
@@ -76,7 +81,7 @@ class Args:
     tau: float = 0.005
     """target smoothing coefficient (default: 0.005)"""
     batch_size: int = 256
-    """the batch size of sample from the reply memory"""
+    """the batch size of sample from the replay memory"""
     policy_noise: float = 0.2
     """the scale of policy noise"""
     exploration_noise: float = 0.1
@@ -95,25 +100,9 @@ class Args:
     """whether to replay the hot callables as CUDA graphs (needs a CUDA device)"""
 
 
-def fail(message: str):
-    """Bad input ends the run with one line on stderr and exit status 2, never a traceback."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def check_args(args):
-    if args.num_envs < 1:
-        fail(f"--num-envs {args.num_envs} must be at least 1")
-    if args.policy_frequency < 1:
-        fail(f"--policy-frequency {args.policy_frequency} must be at least 1 (the actor is updated every that many updates)")
-    if args.batch_size < 1:
-        fail(f"--batch-size {args.batch_size} must be at least 1")
-    if args.batch_size > args.learning_starts:
-        fail(f"--batch-size {args.batch_size} is larger than --learning-starts {args.learning_starts}: the first update would sample more transitions than the buffer holds; lower --batch-size or raise --learning-starts")
-    if args.buffer_size < max(args.batch_size, args.num_envs):
-        fail(f"--buffer-size {args.buffer_size} must hold at least one batch (--batch-size {args.batch_size}) and one step of every env (--num-envs {args.num_envs})")
-    if args.env_id not in gym.registry:
-        fail(f"unknown environment id {args.env_id!r}: pass --env-id with a registered gymnasium id, e.g. HalfCheetah-v5")
+ALGORITHM = "td3_continuous_action"
+# Losses and the progress bar are logged every LOG_EVERY environment steps, as in CleanRL.
+LOG_EVERY = 100
 
 
 def make_env(env_id, idx, capture_video, run_name):
@@ -131,19 +120,22 @@ def make_env(env_id, idx, capture_video, run_name):
 
 def make_envs(args, run_name, num_envs, capture_video=False):
     """The vector env, or one clear line for an env this script cannot use."""
-    if capture_video:
-        if importlib.util.find_spec("moviepy") is None:
-            fail("--capture-video needs moviepy: pip install 'leanrl[video]'")
-        # MuJoCo renders off-screen through EGL, which needs no display; MUJOCO_GL=glfw or
-        # osmesa set by the user wins.
-        os.environ.setdefault("MUJOCO_GL", "egl")
-    thunks = [make_env(args.env_id, i, capture_video, run_name) for i in range(num_envs)]
+    if args.env_id not in gym.registry:
+        fail(f"unknown environment id {args.env_id!r}: pass --env-id with a registered gymnasium id, e.g. HalfCheetah-v5")
+    if capture_video and importlib.util.find_spec("moviepy") is None:
+        fail("--capture-video needs moviepy: pip install 'leanrl[video]'")
     try:
-        # SAME_STEP autoreset: the step that ends an episode already returns the first
-        # observation of the next one, and the true final observation is in infos["final_obs"].
-        # Every step is then one real transition, stored with the final observation as its next
-        # observation (see `real_next_obs`). Under the NEXT_STEP default the step after a done
-        # would be a reset step whose (obs, next_obs) pair spans two episodes.
+        if capture_video:  # a missing renderer fails here, not at the first recorded frame
+            # MuJoCo renders off-screen through EGL, which needs no display; a MUJOCO_GL set by the user wins.
+            os.environ.setdefault("MUJOCO_GL", "egl")
+            probe = gym.make(args.env_id, render_mode="rgb_array")
+            probe.reset(seed=args.seed)
+            probe.render()
+            probe.close()
+        # SAME_STEP autoreset: the step that ends an episode returns the first observation of the
+        # next one and the true last one in infos["final_obs"], so every step is one real
+        # transition and none spans an autoreset.
+        thunks = [make_env(args.env_id, i, capture_video, run_name) for i in range(num_envs)]
         envs = gym.vector.SyncVectorEnv(thunks, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
     except gym.error.DependencyNotInstalled as e:
         fail(f"{args.env_id} needs a missing dependency ({e}): for MuJoCo envs, pip install 'leanrl[mujoco]'")
@@ -155,61 +147,20 @@ def make_envs(args, run_name, num_envs, capture_video=False):
 
 
 def real_next_obs(next_obs, infos):
-    """The observation each env reached: the final one where an episode ended on this step.
-
-    Under SAME_STEP autoreset `next_obs` already starts the next episode there; storing it would
-    make a transition that spans two episodes. Termination and truncation both qualify: a
-    truncated transition bootstraps from its true final observation."""
-    if "_final_obs" in infos:
-        next_obs = next_obs.copy()
-        done = infos["_final_obs"]
-        next_obs[done] = np.stack(infos["final_obs"][done])
-    return next_obs
+    """The observation each env reached: `next_obs`, except where an episode just ended: there
+    `next_obs` already starts the next episode and the true last one is in infos."""
+    if "final_obs" not in infos:
+        return next_obs
+    real = next_obs.copy()
+    for i in np.flatnonzero(infos["_final_obs"]):
+        real[i] = infos["final_obs"][i]
+    return real
 
 
-class ReplayBuffer:
-    """A ring buffer of transitions preallocated on the training device and written in place.
-
-    Its footprint is buffer_size transitions (obs, next obs, action, reward, done in float32),
-    allocated once at start; `torch.empty` leaves the pages untouched until written. `sample`
-    runs inside the update, so that a compiled update (CUDA) fuses the gather into its kernels
-    and no batch crosses from the host."""
-
-    def __init__(self, buffer_size, n_obs, n_act, device):
-        self.buffer_size = buffer_size
-        self.observations = torch.empty((buffer_size, n_obs), device=device)
-        self.next_observations = torch.empty((buffer_size, n_obs), device=device)
-        self.actions = torch.empty((buffer_size, n_act), device=device)
-        self.rewards = torch.empty(buffer_size, device=device)
-        # Terminations only: a truncated episode is not done, its next state has a value.
-        self.dones = torch.empty(buffer_size, device=device)
-        # The number of valid rows, as a tensor updated in place: read by the compiled sampler,
-        # so that filling the buffer never recompiles it.
-        self.size = torch.zeros((), device=device)
-        self.pos, self.count = 0, 0
-
-    def add(self, obs, next_obs, actions, rewards, terminations):
-        n = obs.shape[0]
-        if self.pos + n <= self.buffer_size:
-            rows = slice(self.pos, self.pos + n)
-        else:
-            rows = torch.arange(self.pos, self.pos + n, device=self.rewards.device) % self.buffer_size
-        for storage, value in (
-            (self.observations, obs),
-            (self.next_observations, next_obs),
-            (self.actions, actions),
-            (self.rewards, rewards),
-            (self.dones, terminations),
-        ):
-            storage[rows] = torch.as_tensor(value, device=storage.device, dtype=storage.dtype)
-        self.pos = (self.pos + n) % self.buffer_size
-        self.count = min(self.count + n, self.buffer_size)
-        self.size.fill_(self.count)
-
-    def sample(self, batch_size):
-        # Uniform over the valid rows; floor(u * size) < size for u < 1 and sizes below 2**24.
-        idx = (torch.rand(batch_size, device=self.size.device) * self.size).long()
-        return self.observations[idx], self.actions[idx], self.next_observations[idx], self.dones[idx], self.rewards[idx]
+def crossings(step: int, n: int, every: int) -> int:
+    """How many multiples of `every` the step counter passed going from step - n to step: with
+    several envs the counter moves by num_envs at a time."""
+    return step // every - (step - n) // every
 
 
 class QNetwork(nn.Module):
@@ -246,8 +197,100 @@ class Actor(nn.Module):
         return x * self.action_scale + self.action_bias
 
 
+def critic(params, x):
+    """Both critics at once from their stacked (2, ...) parameters: x is (batch, n_obs + n_act),
+    the result (2, batch, 1); one batched matmul with its bias per layer.
+
+    `torch.vmap` over `torch.func.functional_call` computes the same thing; on a 2-core CPU
+    (torch 2.13, one thread, CPU time, median of 3) a whole TD3 update took 9.9 ms with vmap,
+    7.9 ms written out like this, 9.2 ms for the plain script's two separate networks: vmap
+    batches each linear as a bmm plus a separate bias add, and dispatches per op."""
+    h = torch.baddbmm(params["fc1.bias"].unsqueeze(1), x.expand(2, *x.shape), params["fc1.weight"].mT).relu()
+    h = torch.baddbmm(params["fc2.bias"].unsqueeze(1), h, params["fc2.weight"].mT).relu()
+    return torch.baddbmm(params["fc3.bias"].unsqueeze(1), h, params["fc3.weight"].mT)
+
+
+def first_critic(params, x):
+    """The first critic alone from the stacked parameters: QNetwork.forward on slice 0."""
+    h = F.linear(x, params["fc1.weight"][0], params["fc1.bias"][0]).relu()
+    h = F.linear(h, params["fc2.weight"][0], params["fc2.bias"][0]).relu()
+    return F.linear(h, params["fc3.weight"][0], params["fc3.bias"][0])
+
+
+class ReplayBuffer:
+    """Transitions in tensors preallocated on the training device (one per field), written in
+    place and gathered inside the update. Steps are staged in host arrays and copied to the
+    device in blocks (when the stage is full, and before each update): one copy per field per
+    block, not per step. On a CPU a torch call costs microseconds, more than the copy it makes;
+    on CUDA each copy is a transfer."""
+
+    def __init__(self, buffer_size, fields, stage_rows, device):
+        # fields: name -> (shape of one row, dtype)
+        row_bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in fields.values())
+        check_memory(buffer_size * row_bytes, torch.device(device), f"--buffer-size {buffer_size}")
+        self.storage = {k: torch.zeros(buffer_size, *shape, dtype=dtype, device=device) for k, (shape, dtype) in fields.items()}
+        self.stage = {k: np.zeros((stage_rows, *shape), dtype=torch.empty(0, dtype=dtype).numpy().dtype) for k, (shape, dtype) in fields.items()}
+        self.buffer_size, self.stage_rows, self.device = buffer_size, stage_rows, device
+        self.pos = self.size = self.pending = 0
+
+    def add(self, **rows):
+        n = len(next(iter(rows.values())))
+        for key, value in rows.items():
+            self.stage[key][self.pending : self.pending + n] = value
+        self.pending += n
+        if self.pending + n > self.stage_rows:
+            self.flush()
+
+    def flush(self):
+        """Copy the staged steps into the device storage, in at most two slices per field."""
+        n, pos = self.pending, self.pos
+        first = min(n, self.buffer_size - pos)
+        for key, staged in self.stage.items():
+            dest = self.storage[key]
+            dest[pos : pos + first].copy_(torch.from_numpy(staged[:first]))
+            dest[: n - first].copy_(torch.from_numpy(staged[first:n]))
+        self.pos, self.size, self.pending = (pos + n) % self.buffer_size, min(self.size + n, self.buffer_size), 0
+
+    def sample(self, batch_size):
+        """Indices of a uniform batch, drawn on the device (no host sync; a CUDA graph of the
+        update takes them as its input)."""
+        self.flush()
+        return torch.randint(self.size, (batch_size,), device=self.device)
+
+
+class Adam:
+    """torch.optim.Adam's step as a call on tensors: torch's functional `adam` (the code that
+    `optim.Adam.step()` runs) on state kept here. In a compiled update it traces into the one
+    graph, where `optimizer.step()` would break it (and, on CUDA, compile once per optimizer).
+
+    `params`: (name, parameter) pairs; their detached views are updated in place, so the modules
+    see each step. `lr` may be a 0-d tensor annealed in place. `fused`: one kernel for all the
+    tensors, for eager updates. `capturable` (CUDA): the step counts stay on the device, so a
+    step never syncs and can be captured in a CUDA graph."""
+
+    def __init__(self, params, lr, eps=1e-8, fused=False, capturable=False):
+        self.params = {name: p.detach() for name, p in params}
+        self.exp_avgs = [torch.zeros_like(p) for p in self.params.values()]
+        self.exp_avg_sqs = [torch.zeros_like(p) for p in self.params.values()]
+        self.steps = [torch.zeros((), device=p.device) for p in self.params.values()]
+        self.lr, self.eps, self.fused, self.capturable = lr, eps, fused, capturable
+
+    @torch.no_grad()
+    def step(self, grads):
+        # torch.func may return a gradient in the layout its backward made (transposed for a
+        # weight used as `w.mT`); the fused kernel reads it as if laid out like the weight.
+        grads = [grads[name].contiguous() for name in self.params]
+        adam(
+            list(self.params.values()), grads, self.exp_avgs, self.exp_avg_sqs, [], self.steps,
+            foreach=False, fused=self.fused or None, capturable=self.capturable,
+            amsgrad=False, beta1=0.9, beta2=0.999, lr=self.lr, weight_decay=0.0, eps=self.eps, maximize=False,
+        )
+
+
 def make_policy(actor, exploration_noise, action_low, action_high):
-    """Acting: the deterministic action plus Gaussian exploration noise, drawn on the device."""
+    """Acting: the deterministic action plus Gaussian exploration noise, drawn on the device.
+    `actor` runs on detached views of the trained parameters: no autograd bookkeeping per step,
+    and every Adam step is seen at once."""
 
     def policy(obs):
         action = actor(obs)
@@ -257,202 +300,56 @@ def make_policy(actor, exploration_noise, action_low, action_high):
     return policy
 
 
-def twin_q(params, obs, action):
-    """Both critics at once from their stacked (2, ...) parameters: one batched matmul with its
-    bias per layer. Returns (2, batch, 1). The input is shared, so it is expanded, not copied.
-
-    Written out rather than torch.vmap over torch.func.functional_call (the original LeanRL's
-    way, same result): on a 2-core CPU (torch 2.13, one thread, CPU time, median of 3) a whole
-    update took 9.9 ms with vmap, 7.9 ms with this, 9.2 ms for the plain script's two separate
-    networks; vmap batches each linear as a bmm plus a separate bias add, and dispatches per op."""
-    x = torch.cat([obs, action], 1).expand(2, -1, -1)
-    x = F.relu(torch.baddbmm(params["fc1.bias"].unsqueeze(1), x, params["fc1.weight"].transpose(1, 2)))
-    x = F.relu(torch.baddbmm(params["fc2.bias"].unsqueeze(1), x, params["fc2.weight"].transpose(1, 2)))
-    return torch.baddbmm(params["fc3.bias"].unsqueeze(1), x, params["fc3.weight"].transpose(1, 2))
-
-
-def first_q(params, obs, action):
-    """The first critic alone from the stacked parameters: QNetwork.forward on slice 0."""
-    x = torch.cat([obs, action], 1)
-    x = F.relu(F.linear(x, params["fc1.weight"][0], params["fc1.bias"][0]))
-    x = F.relu(F.linear(x, params["fc2.weight"][0], params["fc2.bias"][0]))
-    return F.linear(x, params["fc3.weight"][0], params["fc3.bias"][0])
-
-
-class Adam:
-    """`optim.Adam` with its defaults, as a call on tensors: torch's functional `adam` (the code
-    `optim.Adam.step()` runs) on state kept here, given the gradients by parameter name. Inside a
-    compiled update it traces into the update's single graph. `loss.backward()` and
-    `optimizer.step()` there break the graph instead, and dynamo then compiles Adam's step on its
-    own, once per optimizer (seen on CUDA as recompiles).
-
-    `params` are detached views of the parameters, updated in place: the update differentiates
-    with respect to them. `fused`: one kernel for all the parameters, for eager updates; compiled
-    updates take the single-tensor loop, which inductor fuses. `capturable`: the step counts
-    stay on the device, so a step never syncs with the host and can be captured in a CUDA graph."""
-
-    def __init__(self, named_params, lr, fused=False, capturable=False):
-        self.params = {name: p.detach() for name, p in named_params}
-        self.exp_avgs = [torch.zeros_like(p) for p in self.params.values()]
-        self.exp_avg_sqs = [torch.zeros_like(p) for p in self.params.values()]
-        self.steps = [torch.zeros((), device=p.device) for p in self.params.values()]
-        self.lr, self.fused, self.capturable = lr, fused, capturable
-
-    @torch.no_grad()
-    def step(self, grads):
-        # torch.func returns a weight's gradient in the layout the backward made it (transposed,
-        # for a weight used as `w.mT`); the fused kernel reads it as if laid out like the weight
-        # (seen on a CPU, torch 2.13: wrong steps for the transposed weights).
-        grads = [grads[name].contiguous() for name in self.params]
-        adam(
-            list(self.params.values()), grads, self.exp_avgs, self.exp_avg_sqs, [], self.steps,
-            foreach=False, fused=self.fused or None, capturable=self.capturable,
-            amsgrad=False, beta1=0.9, beta2=0.999, lr=self.lr, weight_decay=0.0, eps=1e-8, maximize=False,
-        )
-
-
-def make_learner(actor, qf1, qf2, action_low, action_high, args, adam_options=None):
-    """Everything the update reads and writes, built from the three online networks.
-
-    - the twin critics as one TensorDict of stacked parameters (leading dimension 2,
-      `from_modules`), run by `twin_q` (checkpoints are unstacked from `q_stacked`; qf1 and qf2
-      keep their own storage and are not used after this);
-    - `actor_detach`, a detached view of the actor's parameters for acting: no autograd
-      bookkeeping per step, and every optimizer step is visible to it at once;
-    - the targets, as copies: `q_target_params` and `target_actor`, whose tensors are the
-      leaves of `targets`, paired key by key with the online ones in `online` for one lerp_;
-    - one Adam per loss, built with `adam_options` (fused, capturable: see main), over the
-      detached parameters that the update differentiates with torch.func (the critics' keyed by
-      QNetwork's parameter names)."""
-    n_obs, n_act = actor.fc1.in_features, actor.fc_mu.out_features
-    q_stacked = from_modules(qf1, qf2, as_module=True)
-    q_target_stacked = q_stacked.data.clone()
-    actor_online = from_module(actor).data
-    actor_detach = Actor(n_obs, n_act, action_low, action_high, device="meta")
-    actor_online.to_module(actor_detach)
-    actor_target_params = actor_online.clone()
-    target_actor = Actor(n_obs, n_act, action_low, action_high, device="meta")
-    actor_target_params.to_module(target_actor)
-    q_params = {".".join(k): v for k, v in q_stacked.items(True, True)}
-    return SimpleNamespace(
-        actor=actor,
-        action_low=action_low,
-        action_high=action_high,
-        actor_detach=actor_detach,
-        target_actor=target_actor,
-        q_stacked=q_stacked,
-        q_target_params={".".join(k): v for k, v in q_target_stacked.items(True, True)},
-        online=TensorDict(actor=actor_online, qnet=q_stacked.data),
-        targets=TensorDict(actor=actor_target_params, qnet=q_target_stacked),
-        q_optimizer=Adam(q_params.items(), args.learning_rate, **(adam_options or {})),
-        actor_optimizer=Adam(actor.named_parameters(), args.learning_rate, **(adam_options or {})),
-    )
-
-
-def make_target(learner, rb, args):
-    """Samples a batch from `rb` and computes its TD target (clipped double-Q with target policy
-    smoothing). Forward only, without autograd."""
-    gamma, policy_noise, noise_clip, batch_size = args.gamma, args.policy_noise, args.noise_clip, args.batch_size
-    target_actor, q_target_params = learner.target_actor, learner.q_target_params
-    action_scale, action_low, action_high = learner.actor.action_scale, learner.action_low, learner.action_high
-
-    @torch.no_grad()
-    def sample_and_target():
-        obs, actions, next_obs, dones, rewards = rb.sample(batch_size)
-        clipped_noise = (torch.randn_like(actions) * policy_noise).clamp(-noise_clip, noise_clip) * action_scale
-        next_state_actions = (target_actor(next_obs) + clipped_noise).clamp(action_low, action_high)
-        min_qf_next_target = twin_q(q_target_params, next_obs, next_state_actions).amin(0).view(-1)
-        next_q_value = rewards + (1 - dones) * gamma * min_qf_next_target
-        return obs, actions, next_q_value
-
-    return sample_and_target
-
-
-def make_update(learner, sample_and_target):
-    """The two update steps: critics only, and critics then actor (every `policy_frequency`-th).
-    Two functions rather than one with a flag: under torch.compile a flag would recompile the
-    same code for its second value.
-
-    Gradients come from torch.func and the steps from `Adam` above, so that each update is one
-    graph under torch.compile: sampling, target, both losses, backward and Adam."""
-    actor = learner.actor
-    q_optimizer, actor_optimizer = learner.q_optimizer, learner.actor_optimizer
+def make_update(actor, target_actor, q_optimizer, actor_optimizer, q_target_params, storage, action_bounds, args):
+    """The two update steps on the minibatch at rows `idx` of the replay storage: the critics
+    only, and the critics then the actor (every `policy_frequency`-th). Two functions rather than
+    one with a flag: under torch.compile a flag would recompile the same code for its second
+    value. Gradients come from torch.func and the steps from `Adam`, so that each update (gather,
+    target, losses, backward, Adam) is one graph. Returns the metrics as one tensor that stays on
+    the device, in the order of METRICS."""
+    gamma, policy_noise, noise_clip = args.gamma, args.policy_noise, args.noise_clip
+    action_low, action_high = action_bounds
     # What torch.func differentiates with respect to: the detached parameters that Adam updates
     # in place (the modules' parameters share their storage).
     q_params, actor_params = q_optimizer.params, actor_optimizer.params
 
-    def critic_loss(params, obs, actions, next_q_value):
-        qf_a_values = twin_q(params, obs, actions).view(2, -1)
+    def critic_loss(params, obs_actions, next_q_value):
+        qf_a_values = critic(params, obs_actions).view(2, -1)
         qf_losses = (qf_a_values - next_q_value).pow(2).mean(1)
-        return qf_losses.sum(), torch.cat([qf_a_values.mean(1), qf_losses]).detach()
+        return qf_losses.sum(), torch.cat([qf_a_values.mean(1), qf_losses, qf_losses.mean().view(1)]).detach()
 
     def actor_loss(params, obs):
         # The first critic after its step, as in CleanRL; its parameters are constants here, so
-        # only the gradient with respect to the action flows back, not the critic's weights'.
-        return -first_q(q_params, obs, torch.func.functional_call(actor, params, (obs,))).mean()
+        # only the gradient with respect to the action flows back.
+        return -first_critic(q_params, torch.cat([obs, torch.func.functional_call(actor, params, (obs,))], 1)).mean()
 
     critic_grad = torch.func.grad(critic_loss, has_aux=True)
     actor_grad = torch.func.grad_and_value(actor_loss)
 
-    def critic_step():
-        obs, actions, next_q_value = sample_and_target()
-        grads, stats = critic_grad(q_params, obs, actions, next_q_value)
+    def critic_step(idx):
+        batch = {key: value[idx] for key, value in storage.items()}
+        with torch.no_grad():
+            clipped_noise = (torch.randn_like(batch["actions"]) * policy_noise).clamp(-noise_clip, noise_clip) * target_actor.action_scale
+            next_state_actions = (target_actor(batch["next_obs"]) + clipped_noise).clamp(action_low, action_high)
+            min_qf_next_target = critic(q_target_params, torch.cat([batch["next_obs"], next_state_actions], 1)).amin(0).view(-1)
+            next_q_value = batch["rewards"] + (1 - batch["dones"]) * gamma * min_qf_next_target
+        grads, metrics = critic_grad(q_params, torch.cat([batch["obs"], batch["actions"]], 1), next_q_value)
         q_optimizer.step(grads)
-        return obs, stats
+        return batch["obs"], metrics
 
-    def update_critic():
-        return critic_step()[1]
+    def update_critic(idx):
+        return critic_step(idx)[1]
 
-    def update_critic_and_actor():
-        obs, stats = critic_step()
+    def update_critic_and_actor(idx):
+        obs, metrics = critic_step(idx)
         grads, loss = actor_grad(actor_params, obs)
         actor_optimizer.step(grads)
-        return torch.cat([stats, loss.detach().view(1)])
+        return torch.cat([metrics, loss.detach().view(1)])
 
     return update_critic, update_critic_and_actor
 
 
-def make_soft_update(target_params, params, tau):
-    """Polyak averaging of every target parameter at once: one lerp_ on the TensorDict (one
-    fused foreach kernel), target <- target + tau * (online - target)."""
-
-    def soft_update():
-        target_params.lerp_(params, tau)
-
-    return soft_update
-
-
-STATS = ["qf1_values", "qf2_values", "qf1_loss", "qf2_loss", "actor_loss"]
-
-
-def atomic_save(obj, path):
-    """Write then rename: a crash mid-save leaves the previous file whole, never a broken one."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    torch.save(obj, path + ".tmp")
-    os.replace(path + ".tmp", path)
-    return path
-
-
-def save_checkpoint(path, networks, args):
-    """`networks` maps "actor", "qf1", "qf2" to state dicts: the format the plain script writes too."""
-    checkpoint = {name: {k: v.detach().cpu() for k, v in state.items()} for name, state in networks.items()}
-    checkpoint["args"] = vars(args)
-    return atomic_save(checkpoint, path)
-
-
-def load_checkpoint(path, modules):
-    if not os.path.isfile(path):
-        fail(f"no checkpoint at {path!r}: pass --load-model with a file written by --save-model")
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    missing = [name for name in modules if name not in checkpoint]
-    if missing:
-        fail(f"{path!r} is not a TD3 checkpoint (it lacks {', '.join(missing)})")
-    try:
-        for name, module in modules.items():
-            module.load_state_dict(checkpoint[name])
-    except RuntimeError:
-        saved_for = checkpoint.get("args", {}).get("env_id")
-        fail(f"{path!r} holds networks of other sizes (saved for {saved_for}); pass the --env-id it was trained on")
+METRICS = ["losses/qf1_values", "losses/qf2_values", "losses/qf1_loss", "losses/qf2_loss", "losses/qf_loss", "losses/actor_loss"]
 
 
 def evaluate(actor, args, run_name, device):
@@ -470,53 +367,278 @@ def evaluate(actor, args, run_name, device):
     eval_envs.close()
     return float(np.mean(returns[: args.eval_episodes]))
 
+# ---------------------------------------------------------------- RUN
+# The same block in every LeanRL script: argument rules, the run's folder and metrics, signals,
+# checkpoints and the summary line. Nothing in it is specific to one algorithm.
+
+# One rule per flag, the same in every script that has the flag.
+COUNTS = ("num_envs", "num_steps", "num_minibatches", "update_epochs", "batch_size", "buffer_size",
+          "train_frequency", "target_network_frequency", "policy_frequency")
+RULES = {
+    "seed": (lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)"),
+    **{k: (lambda v: v >= 0, "0 or more") for k in ("total_timesteps", "learning_starts", "eval_episodes")},
+    **{k: (lambda v: v >= 1, "1 or more") for k in COUNTS},
+    **{k: (lambda v: math.isfinite(v) and v > 0, "a finite number > 0") for k in ("learning_rate", "q_lr", "policy_lr", "max_grad_norm")},
+    **{k: (lambda v: 0 < v <= 1, "a number in (0, 1]") for k in ("gamma", "tau")},
+    **{k: (lambda v: 0 <= v <= 1, "a number in [0, 1]") for k in ("gae_lambda", "start_e", "end_e", "exploration_fraction")},
+    **{k: (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
+       for k in ("clip_coef", "ent_coef", "vf_coef", "alpha", "policy_noise", "noise_clip", "exploration_noise")},
+    "target_kl": (lambda v: v is None or (math.isfinite(v) and v > 0), "a finite number > 0"),
+}
+
+
+def fail(message):
+    """Bad input ends the run with one line on stderr and exit status 2, never a traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_args(args):
+    for name, value in vars(args).items():
+        if name in RULES and not RULES[name][0](value):
+            fail(f"--{name.replace('_', '-')} {value} is out of range: use {RULES[name][1]}")
+    if args.total_timesteps == 0 and not args.load_model:
+        fail("--total-timesteps 0 trains nothing: give a budget, or --load-model to evaluate a checkpoint")
+
+
+def check_memory(nbytes, device, what):
+    """One line, before any work, for a buffer that will not fit in the device's free memory."""
+    try:
+        if device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0]
+        else:
+            free = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return
+    if nbytes > free:
+        fail(f"{what} needs {nbytes / 2**30:.1f} GiB and {device.type} has {free / 2**30:.1f} GiB free: make it smaller")
+
+
+def atomic_save(obj, path):
+    """Write then rename: a crash mid-save leaves the previous file whole, never a broken one."""
+    torch.save(obj, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def load_checkpoint(path, networks, env_id):
+    """Load a checkpoint of either script of the pair into `networks` (name -> module). Tensors
+    and plain types only (weights_only=True): a checkpoint cannot run code."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch.load raises many types for a file that is no checkpoint
+        fail(f"cannot load {path!r} ({type(e).__name__}): pass a file written by --save-model of {ALGORITHM}")
+    saved = checkpoint.get("algorithm") if isinstance(checkpoint, dict) else None
+    if saved != ALGORITHM:
+        fail(f"{path!r} is not a {ALGORITHM} checkpoint ({saved or 'unknown'}): pass one saved by {ALGORITHM}")
+    try:
+        for name, network in networks.items():
+            network.load_state_dict(checkpoint["model"][name])
+    except (KeyError, RuntimeError):
+        hint = f"pass --env-id {checkpoint['env_id']}" if checkpoint["env_id"] != env_id else "use the sizes it was trained with"
+        fail(f"{path!r} holds {ALGORITHM} networks for {checkpoint['env_id']} of other sizes: {hint}")
+
+
+class Run:
+    """Around the training loop: the folder runs/<run_name> (TensorBoard events when tensorboard
+    is installed, curve.csv, the checkpoint), wandb with --track, the progress bar, steps/s after
+    warm-up, SIGTERM handled as Ctrl-C, and the one-line JSON summary."""
+
+    def __init__(self, args, total_steps, warmup_updates=3):
+        self.args, self.warmup_updates = args, warmup_updates
+        self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        self.dir = f"runs/{self.name}"
+        self.wandb = self.writer = self.last_good = self.stop_reason = self.warmup_s = None
+        self.interrupted, self.returns = False, deque(maxlen=10)
+        self.step = self.updates = self.warm_step = 0
+        if args.track:
+            try:
+                import wandb
+            except ImportError:
+                fail("--track needs wandb: pip install wandb (or the extra leanrl[track])")
+            self.wandb = wandb
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+            self.curve = open(f"{self.dir}/curve.csv", "w")
+        except OSError as e:
+            fail(f"cannot write {self.dir} ({e.strerror}): run from a folder you can write to")
+        self.curve.write("step,seconds,episodic_return\n")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(self.dir)
+            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+        except ImportError:
+            print("notice: tensorboard is not installed; metrics go to --track only (pip install tensorboard)", file=sys.stderr)
+        if self.wandb:
+            self.wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=self.name, save_code=True)
+        self.total_steps, self.bar = total_steps, None
+        self.start = self.warm_time = time.perf_counter()
+        signal.signal(signal.SIGTERM, self.on_sigterm)
+
+    def on_sigterm(self, signum, frame):
+        """Schedulers stop jobs with SIGTERM: end the run as Ctrl-C does, saving first."""
+        self.interrupted = signal.SIGTERM
+        raise KeyboardInterrupt
+
+    def scalars(self, step, values):
+        if self.writer:
+            for key, value in values.items():
+                self.writer.add_scalar(key, value, step)
+        if self.wandb:
+            self.wandb.log(values, step=step)
+
+    def episodes(self, step, infos):
+        """CleanRL's charts, one point per finished episode, from gymnasium's episode statistics
+        (in infos["final_info"] under SAME_STEP autoreset)."""
+        info = infos.get("final_info", infos)
+        if "episode" in info:
+            done = info["_episode"]
+            for r, n in zip(info["episode"]["r"][done], info["episode"]["l"][done]):
+                self.returns.append(float(r))
+                self.scalars(step, {"charts/episodic_return": float(r), "charts/episodic_length": int(n)})
+
+    def sps(self):
+        if self.warmup_s is None or self.step <= self.warm_step:
+            return None
+        return (self.step - self.warm_step) / (time.perf_counter() - self.warm_time)
+
+    def log(self, step, updates, metrics, networks):
+        """A log point: steps/s (from the first log point with `warmup_updates` updates done, when
+        every compiled callable has run), bar, curve, metrics, and the weights as last good if
+        they are finite (with --save-model)."""
+        self.bar = self.bar or tqdm.tqdm(total=self.total_steps, file=sys.stderr)
+        self.bar.update(step - self.step)
+        self.step, self.updates, now = step, updates, time.perf_counter()
+        if self.warmup_s is None and updates >= self.warmup_updates:
+            self.warmup_s, self.warm_step, self.warm_time = now - self.start, step, now
+        sps, mean_return = self.sps(), np.mean(self.returns) if self.returns else float("nan")
+        self.bar.set_description(f"sps={sps or float('nan'):6.0f} return={mean_return:8.2f}")
+        if self.returns:
+            self.curve.write(f"{step},{now - self.start:.3f},{mean_return:.3f}\n")
+        self.scalars(step, {**metrics, "charts/SPS": sps or 0.0})
+        if self.args.save_model:
+            state = {name: {k: v.detach().clone() for k, v in net.state_dict().items()} for name, net in networks.items()}
+            if torch.stack([v.isfinite().all() for sd in state.values() for v in sd.values()]).all():
+                self.last_good = state
+
+    def finish(self, step, networks, evaluate, **fields):
+        """Save, evaluate, close and print the summary. Exit 1 after a non-finite loss, 130 after
+        Ctrl-C, 143 after SIGTERM; a checkpoint is only ever saved from finite weights."""
+        self.step = step
+        end_sps, wall_s = self.sps(), time.perf_counter() - self.start
+        if self.bar:
+            self.bar.close()
+        if self.interrupted:
+            print(f"notice: interrupted at step {self.step}; saving what there is", file=sys.stderr)
+        checkpoint, state = None, self.last_good
+        if self.args.save_model:
+            current = {name: net.state_dict() for name, net in networks.items()}
+            if self.stop_reason is None and all(v.isfinite().all() for sd in current.values() for v in sd.values()):
+                state = current
+            if state is None:
+                print("notice: the weights were never finite at a log point; no checkpoint saved", file=sys.stderr)
+            else:
+                model = {name: {k: v.detach().cpu() for k, v in sd.items()} for name, sd in state.items()}
+                saved = {"algorithm": ALGORITHM, "env_id": self.args.env_id, "args": vars(self.args), "model": model}
+                checkpoint = atomic_save(saved, f"{self.dir}/{self.args.exp_name}.pt")
+                print(f"notice: model saved to {checkpoint}", file=sys.stderr)
+        eval_return = None
+        if self.args.eval_episodes > 0 and self.stop_reason is None and not self.interrupted:
+            try:
+                eval_return = evaluate()
+            except KeyboardInterrupt:
+                self.interrupted = self.interrupted or signal.SIGINT
+        self.curve.close()
+        if self.writer:
+            self.writer.close()
+        if self.wandb:
+            self.wandb.finish()
+        summary = {
+            "script": os.path.basename(__file__), "env_id": self.args.env_id, "seed": self.args.seed,
+            "compile": getattr(self.args, "compile", False), "cudagraphs": False, **fields,
+            "total_steps": self.step, "updates": self.updates, "wall_s": wall_s, "sps": end_sps,
+            "warmup_s": self.warmup_s, "episodic_return": np.mean(self.returns) if self.returns else None,
+            "eval_return": eval_return, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "interrupted": bool(self.interrupted), "checkpoint": checkpoint, "run_dir": self.dir,
+        }
+        # Strict JSON: non-finite numbers become null.
+        summary = {k: (round(float(v), 3) if math.isfinite(v) else None) if isinstance(v, (float, np.floating)) else v for k, v in summary.items()}
+        print(json.dumps(summary), flush=True)
+        if self.stop_reason:
+            print(f"error: {self.stop_reason}", file=sys.stderr)
+            sys.exit(1)
+        if self.interrupted:
+            sys.exit(143 if self.interrupted == signal.SIGTERM else 130)
+
 
 def main(args: Args):
     check_args(args)
-    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    if args.batch_size > args.buffer_size:
+        fail(f"--batch-size {args.batch_size} is larger than --buffer-size {args.buffer_size}: make the buffer hold a batch")
+    if args.num_envs > args.buffer_size:
+        fail(f"--num-envs {args.num_envs} is larger than --buffer-size {args.buffer_size}: make the buffer hold one step of every env")
+    num_iterations = args.total_timesteps // args.num_envs
+    run = Run(args, num_iterations * args.num_envs)
 
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
-
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     cudagraphs = args.cudagraphs and device.type == "cuda"
     if args.cudagraphs and not cudagraphs:
         print("notice: --cudagraphs needs a CUDA device; running without CUDA graphs", file=sys.stderr)
 
-    envs = make_envs(args, run_name, args.num_envs, args.capture_video)
+    envs = make_envs(args, run.name, args.num_envs, args.capture_video)
     envs.action_space.seed(args.seed)
     n_obs = math.prod(envs.single_observation_space.shape)
     n_act = math.prod(envs.single_action_space.shape)
     low, high = envs.single_action_space.low, envs.single_action_space.high
-    action_low = torch.as_tensor(low, dtype=torch.float32, device=device)
-    action_high = torch.as_tensor(high, dtype=torch.float32, device=device)
+    action_bounds = (torch.as_tensor(low, device=device), torch.as_tensor(high, device=device))
 
     actor = Actor(n_obs, n_act, low, high, device=device)
-    qf1 = QNetwork(n_obs, n_act, device=device)
-    qf2 = QNetwork(n_obs, n_act, device=device)
+    qf1, qf2 = QNetwork(n_obs, n_act, device=device), QNetwork(n_obs, n_act, device=device)
+    networks = {"actor": actor, "qf1": qf1, "qf2": qf2}
     if args.load_model:
-        load_checkpoint(args.load_model, {"actor": actor, "qf1": qf1, "qf2": qf2})
-
-    # What --compile compiles, measured on a 2-core CPU with torch 2.13 (batch 256, HalfCheetah
-    # sizes, one thread, CPU time, median of 7 rounds of 20 steps): the updates. A critic step
-    # plus a critic-and-actor step took 7.3 ms per update eager and 5.5 ms compiled, each one graph
-    # (sampling, target, forward, torch.func backward, Adam). Written with loss.backward() and
-    # optim.Adam, the compiled updates broke into several graphs and took 10.4 ms against 7.9 ms
-    # eager. The policy, for one observation, stays eager on a CPU (0.10 ms eager, 0.13 ms
-    # compiled: guards cost more than fusion saves); on CUDA, where kernel launches bound these
-    # small networks, it is compiled too.
+        load_checkpoint(args.load_model, networks, args.env_id)
+    # The twin critics as one set of stacked (2, ...) parameters, run by `critic`; qf1 and qf2
+    # become views of its two slices, so that checkpoints read and write the stack.
+    q_stack = from_modules(qf1, qf2).data
+    for i, qf in enumerate((qf1, qf2)):
+        q_stack[i].to_module(qf)
+    params = TensorDict(actor=from_module(actor).data, qnet=q_stack)
+    target_params = params.clone()
+    actor_detach, target_actor = Actor(n_obs, n_act, low, high, device="meta"), Actor(n_obs, n_act, low, high, device="meta")
+    params["actor"].to_module(actor_detach)
+    target_params["actor"].to_module(target_actor)
+    q_target_params = dict(target_params["qnet"].flatten_keys(".").items())
     # Adam: fused (one kernel for all parameters of each optimizer instead of about ten per
     # parameter) when the updates run eager; the single-tensor loop, which inductor fuses into
     # the update's graph, when they are compiled. On CUDA its step counts live on the device
     # (capturable): no host sync per step, and CUDA graphs can capture it.
     adam_options = {"fused": not args.compile, "capturable": device.type == "cuda"}
-    learner = make_learner(actor, qf1, qf2, action_low, action_high, args, adam_options)
-    rb = ReplayBuffer(args.buffer_size, n_obs, n_act, device)
-    policy = make_policy(learner.actor_detach, args.exploration_noise, action_low, action_high)
-    update_critic, update_critic_and_actor = make_update(learner, make_target(learner, rb, args))
-    soft_update = make_soft_update(learner.targets, learner.online, args.tau)
+    q_optimizer = Adam(q_stack.flatten_keys(".").items(), args.learning_rate, **adam_options)
+    actor_optimizer = Adam(actor.named_parameters(), args.learning_rate, **adam_options)
+
+    # Before learning starts, blocks of up to LOG_EVERY steps go to the device at once; then each
+    # update's sample copies its step.
+    stage_steps = max(1, min(LOG_EVERY, args.buffer_size // args.num_envs))
+    fields = {"obs": ((n_obs,), torch.float32), "actions": ((n_act,), torch.float32), "rewards": ((), torch.float32),
+              "next_obs": ((n_obs,), torch.float32), "dones": ((), torch.float32)}
+    rb = ReplayBuffer(args.buffer_size, fields, stage_steps * args.num_envs, device)
+
+    policy = make_policy(actor_detach, args.exploration_noise, *action_bounds)
+    update_critic, update_critic_and_actor = make_update(
+        actor, target_actor, q_optimizer, actor_optimizer, q_target_params, rb.storage, action_bounds, args
+    )
+    # What --compile compiles (2-core CPU, torch 2.13, batch 256, HalfCheetah sizes, one thread,
+    # CPU time, median of 7 rounds of 20 steps): the updates. A critic step plus a
+    # critic-and-actor step took 7.3 ms per update eager and 5.5 ms compiled, each one graph.
+    # Written with loss.backward() and optim.Adam, the compiled updates broke into several graphs
+    # and took 10.4 ms against 7.9 ms eager. The policy, for one observation, stays eager on a CPU
+    # (0.10 ms eager, 0.13 ms compiled: guards cost more than fusion saves); on CUDA, where kernel
+    # launches bound these small networks, it is compiled too.
     if args.compile:
         update_critic = torch.compile(update_critic, fullgraph=True)
         update_critic_and_actor = torch.compile(update_critic_and_actor, fullgraph=True)
@@ -527,155 +649,56 @@ def main(args: Args):
         update_critic_and_actor = CudaGraphModule(update_critic_and_actor, device=device)
         policy = CudaGraphModule(policy, device=device)
 
-    def networks():
-        """Per-network state dicts, the critics unstacked (copies, not views of the stack)."""
-        critics = {f"qf{i + 1}": {k: v.detach().clone() for k, v in learner.q_stacked[i].flatten_keys(".").items()} for i in range(2)}
-        return {"actor": {k: v.clone() for k, v in actor.state_dict().items()}, **critics}
-
-    wandb = None
-    if args.track:
-        import wandb
-
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=run_name, save_code=True)
-
-    checkpoint_path = f"runs/{run_name}/{args.exp_name}.pt"
-    recent_returns = deque(maxlen=10)
-    curve = []  # (env steps, seconds, mean return) at each log point, for the benchmark's plots
-    global_step, updates, next_log = 0, 0, 0
-    start_time = time.perf_counter()
-    warmup_s, warm_step, warm_time = None, 0, start_time
-    last_good = None
-    interrupted = False
-    stop_reason = None
-    stats = torch.zeros(len(STATS), device=device)
-
+    global_step = updates = 0
+    # The graphed outputs are overwritten by the next call: the latest are copied here.
+    metrics = torch.zeros(len(METRICS), device=device)
+    obs, _ = envs.reset(seed=args.seed)
+    obs = obs.astype(np.float32, copy=False)
     try:
-        obs_np, _ = envs.reset(seed=args.seed)
-    except gym.error.DependencyNotInstalled as e:
-        # RecordVideo renders the first frame here: an env that cannot render fails now.
-        fail(f"{args.env_id} cannot render for --capture-video: {e}")
-    obs = torch.as_tensor(obs_np, device=device, dtype=torch.float)
-    pbar = tqdm.tqdm(total=args.total_timesteps, disable=args.total_timesteps == 0, file=sys.stderr)
-    try:
-        while global_step < args.total_timesteps:
-            if global_step < args.learning_starts:
-                actions_np = envs.action_space.sample()
-                actions = actions_np
-            else:
-                with torch.no_grad():
+        # Gradients come from torch.func inside the updates, which this context does not reach.
+        with torch.no_grad():
+            for iteration in range(num_iterations):
+                if global_step < args.learning_starts:
+                    actions = envs.action_space.sample()
+                else:
                     if cudagraphs:
                         torch.compiler.cudagraph_mark_step_begin()
-                    actions = policy(obs)
-                # note: a CPU-GPU sync point on CUDA; a no-copy view on a CPU
-                actions_np = actions.cpu().numpy()
+                    # note: .cpu() is a CPU-GPU sync point on CUDA, which the host env needs anyway
+                    actions = policy(torch.from_numpy(obs).to(device)).cpu().numpy()
+                next_obs, rewards, terminations, truncations, infos = envs.step(actions)
+                global_step += args.num_envs
+                run.episodes(global_step, infos)
 
-            next_obs_np, rewards, terminations, truncations, infos = envs.step(actions_np)
+                # The done flag is the termination only: a time-limit truncation still bootstraps
+                # from the true last observation (see make_envs for the autoreset).
+                rb.add(obs=obs, actions=actions, rewards=rewards, next_obs=real_next_obs(next_obs, infos), dones=terminations)
+                obs = next_obs.astype(np.float32, copy=False)
 
-            if "final_info" in infos:
-                final = infos["final_info"]
-                for episodic_return, episodic_length in zip(final["episode"]["r"][final["_episode"]], final["episode"]["l"][final["_episode"]]):
-                    recent_returns.append(float(episodic_return))
-                    if wandb is not None:
-                        wandb.log({"charts/episodic_return": episodic_return, "charts/episodic_length": episodic_length}, step=global_step)
+                if global_step > args.learning_starts:
+                    idx = rb.sample(args.batch_size)
+                    if cudagraphs:
+                        torch.compiler.cudagraph_mark_step_begin()
+                    # Counted in updates, not env steps, so that --num-envs keeps the delay.
+                    if (updates + 1) % args.policy_frequency == 0:
+                        metrics.copy_(update_critic_and_actor(idx))
+                        target_params.lerp_(params, args.tau)
+                    else:
+                        metrics[:-1].copy_(update_critic(idx))
+                    updates += 1
 
-            # Stored `dones` are the terminations only: a truncated episode bootstraps from the
-            # value of its final observation.
-            rb.add(obs, real_next_obs(next_obs_np, infos), actions, rewards, terminations)
-            obs = torch.as_tensor(next_obs_np, device=device, dtype=torch.float)
-            global_step += args.num_envs
-            pbar.update(args.num_envs)
-
-            if global_step > args.learning_starts:
-                if cudagraphs:
-                    torch.compiler.cudagraph_mark_step_begin()
-                # Counted in updates, not env steps, so that --num-envs keeps the delay.
-                if (updates + 1) % args.policy_frequency == 0:
-                    stats.copy_(update_critic_and_actor())
-                    soft_update()
-                else:
-                    stats[:4].copy_(update_critic())
-                updates += 1
-
-                if global_step >= next_log:
-                    next_log = global_step + 100
-                    # Logging: the host syncs of the training loop are all here.
-                    losses = dict(zip(STATS, stats.tolist()))
-                    bad = [k for k in ("qf1_loss", "qf2_loss", "actor_loss") if not math.isfinite(losses[k])]
+                if crossings(global_step, args.num_envs, LOG_EVERY) or iteration == num_iterations - 1:
+                    # note: the loop's only host sync is here, at the log points
+                    stats = dict(zip(METRICS, metrics.tolist())) if updates else {}
+                    bad = [k for k in ("losses/qf_loss", "losses/actor_loss") if k in stats and not math.isfinite(stats[k])]
                     if bad:
-                        stop_reason = f"non-finite {bad[0]} {losses[bad[0]]} at step {global_step}"
+                        run.stop_reason = f"non-finite {bad[0][len('losses/'):]} {stats[bad[0]]} at step {global_step}"
                         break
-                    if args.save_model:
-                        last_good = networks()
-                    if warmup_s is None and updates >= 2 * args.policy_frequency:
-                        warmup_s = time.perf_counter() - start_time
-                        warm_step, warm_time = global_step, time.perf_counter()
-                    sps = (global_step - warm_step) / max(time.perf_counter() - warm_time, 1e-9) if warmup_s is not None and global_step > warm_step else float("nan")
-                    mean_return = float(np.mean(recent_returns)) if recent_returns else float("nan")
-                    pbar.set_description(f"sps={sps:6.0f} return={mean_return:8.2f}")
-                    if recent_returns:
-                        curve.append((global_step, round(time.perf_counter() - start_time, 3), round(mean_return, 3)))
-                    if wandb is not None:
-                        log = {f"losses/{k}": v for k, v in losses.items()}
-                        log["losses/qf_loss"] = (losses["qf1_loss"] + losses["qf2_loss"]) / 2.0
-                        log["charts/SPS"] = sps
-                        wandb.log(log, step=global_step)
+                    run.log(global_step, updates, stats, networks)
     except KeyboardInterrupt:
-        interrupted = True
-        print(f"notice: interrupted at step {global_step}; saving what there is", file=sys.stderr)
-    finally:
-        pbar.close()
-
-    end_time = time.perf_counter()
-    saved = None
-    if args.save_model:
-        # The weights at the last log point whose losses were finite, if the run stopped on a non-finite one.
-        saved = save_checkpoint(checkpoint_path, last_good if stop_reason and last_good else networks(), args)
-        print(f"notice: model saved to {saved}", file=sys.stderr)
-    eval_return = None
-    if args.eval_episodes > 0 and stop_reason is None:
-        eval_return = evaluate(actor, args, run_name, device)
+        run.interrupted = run.interrupted or signal.SIGINT
     envs.close()
-
-    summary = {
-        "script": os.path.basename(__file__),
-        "env_id": args.env_id,
-        "seed": args.seed,
-        "compile": args.compile,
-        "cudagraphs": cudagraphs,
-        "device": device.type,
-        "total_steps": global_step,
-        "wall_s": round(end_time - start_time, 3),
-        "sps": round((global_step - warm_step) / (end_time - warm_time), 1) if warmup_s is not None and global_step > warm_step else None,
-        "warmup_s": round(warmup_s, 3) if warmup_s is not None else None,
-        "episodic_return": float(np.mean(recent_returns)) if recent_returns else None,
-        "updates": updates,
-        "eval_return": eval_return,
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "interrupted": interrupted,
-        "checkpoint": saved,
-        "curve": curve[:: max(1, len(curve) // 200)],
-    }
-    if wandb is not None:
-        wandb.finish()
-    print(json.dumps(summary), flush=True)
-    if stop_reason:
-        fail(stop_reason)
-
-
-def parse_args() -> Args:
-    """tyro's command line, where a boolean is a flag (`--compile`, `--no-autotune`), also taking
-    the spelling `--autotune false` or `--autotune=False`."""
-    flags = {"--" + name.replace("_", "-") for name, kind in Args.__annotations__.items() if kind is bool}
-    argv = []
-    for arg in sys.argv[1:]:
-        flag, eq, value = arg.partition("=")
-        if not eq and argv and argv[-1] in flags and arg.lower() in ("true", "false"):
-            flag, value = argv.pop(), arg
-        if flag in flags and value.lower() in ("true", "false"):
-            arg = flag if value.lower() == "true" else "--no-" + flag[2:]
-        argv.append(arg)
-    return tyro.cli(Args, args=argv)
+    run.finish(global_step, networks, lambda: evaluate(actor, args, run.name, device), device=device.type, cudagraphs=cudagraphs)
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    main(tyro.cli(Args))
