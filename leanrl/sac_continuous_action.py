@@ -4,8 +4,9 @@ Soft Actor-Critic (Haarnoja et al., 2018, https://arxiv.org/abs/1801.01290, with
 entropy tuning of https://arxiv.org/abs/1812.05905) with the details and defaults of CleanRL's
 `sac_continuous_action.py`: twin Q-networks with Polyak-averaged targets, a tanh-squashed
 Gaussian policy updated every `policy_frequency` steps (that many times, to make up for the
-delay), and a numpy replay buffer on the host. Same defaults and the same learning as the lean
-script `sac_continuous_action_torchcompile.py`; this file is what its speed is measured against.
+delay), and a numpy replay buffer on the host. The lean script
+`sac_continuous_action_torchcompile.py` learns the same way, faster; this file is what its
+speed-ups are measured against.
 
     python leanrl/sac_continuous_action.py
     python leanrl/sac_continuous_action.py --env-id Pendulum-v1 --total-timesteps 20000
@@ -18,6 +19,7 @@ import math
 import os
 import random
 import resource
+import signal
 import sys
 import time
 from collections import deque
@@ -73,54 +75,26 @@ class Args:
     tau: float = 0.005
     """target smoothing coefficient"""
     batch_size: int = 256
-    """the batch size of sample from the reply memory"""
+    """the batch size of sample from the replay memory"""
     learning_starts: int = 5_000
     """timestep to start learning"""
     policy_lr: float = 3e-4
     """the learning rate of the policy network optimizer"""
     q_lr: float = 1e-3
-    """the learning rate of the Q network network optimizer"""
+    """the learning rate of the Q network optimizer"""
     policy_frequency: int = 2
     """the frequency of training policy (delayed)"""
     target_network_frequency: int = 1  # Denis Yarats' implementation delays this by 2.
-    """the frequency of updates for the target nerworks"""
+    """the frequency of updates for the target networks"""
     alpha: float = 0.2
     """Entropy regularization coefficient."""
     autotune: bool = True
     """automatic tuning of the entropy coefficient"""
 
 
-# CleanRL logs the losses every 100 environment steps.
+ALGORITHM = "sac_continuous_action"
+# Losses and the progress bar are logged every LOG_EVERY environment steps, as in CleanRL.
 LOG_EVERY = 100
-
-
-def fail(message: str):
-    """Bad input ends the run with one line on stderr and exit status 2, never a traceback."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def check_args(args):
-    if args.num_envs < 1:
-        fail(f"--num-envs {args.num_envs}: needs at least 1")
-    if args.batch_size < 1:
-        fail(f"--batch-size {args.batch_size}: needs at least 1")
-    if args.batch_size > args.learning_starts:
-        fail(f"--batch-size {args.batch_size} is larger than --learning-starts {args.learning_starts}: the first update needs a full batch of stored transitions")
-    if args.buffer_size < max(args.batch_size, args.num_envs):
-        fail(f"--buffer-size {args.buffer_size} must hold at least --batch-size ({args.batch_size}) and --num-envs ({args.num_envs}) transitions")
-    if args.policy_frequency < 1:
-        fail(f"--policy-frequency {args.policy_frequency}: needs at least 1 (the policy is updated every that many steps)")
-    if args.target_network_frequency < 1:
-        fail(f"--target-network-frequency {args.target_network_frequency}: needs at least 1")
-    if args.env_id not in gym.registry:
-        fail(f"unknown environment id {args.env_id!r}: pass --env-id with a registered gymnasium id, e.g. HalfCheetah-v5")
-    if args.capture_video:
-        if importlib.util.find_spec("moviepy") is None:
-            fail("--capture-video needs moviepy: pip install 'leanrl[video]'")
-        # MuJoCo renders off-screen through EGL, which needs no display; MUJOCO_GL=glfw or
-        # osmesa set by the user wins.
-        os.environ.setdefault("MUJOCO_GL", "egl")
 
 
 def make_env(env_id, idx, capture_video, run_name):
@@ -137,68 +111,69 @@ def make_env(env_id, idx, capture_video, run_name):
     return thunk
 
 
-def make_envs(args, run_name, num_envs):
+def make_envs(args, run_name, num_envs, capture_video=False):
     """The vector env, or one clear line for an env this script cannot use."""
-    thunks = [make_env(args.env_id, i, args.capture_video, run_name) for i in range(num_envs)]
+    if args.env_id not in gym.registry:
+        fail(f"unknown environment id {args.env_id!r}: pass --env-id with a registered gymnasium id, e.g. HalfCheetah-v5")
+    if capture_video:
+        if importlib.util.find_spec("moviepy") is None:
+            fail("--capture-video needs moviepy: pip install 'leanrl[video]'")
+        # MuJoCo renders off-screen through EGL, which needs no display; MUJOCO_GL set by the user wins.
+        os.environ.setdefault("MUJOCO_GL", "egl")
     try:
+        if capture_video:  # a missing renderer fails here, not at the first recorded frame
+            probe = gym.make(args.env_id, render_mode="rgb_array")
+            probe.reset(seed=args.seed)
+            probe.render()
+            probe.close()
         # SAME_STEP autoreset: the step that ends an episode returns the first observation of the
-        # next one, and the true last observation in infos["final_obs"]. The loop stores the
-        # latter as that transition's next observation, so every stored transition is a real
-        # one. Under the NEXT_STEP default the step after a done would be a reset step whose
-        # (last obs, ignored action, first obs) would have to be kept out of the buffer.
+        # next one and the true last one in infos["final_obs"], so every step is one real
+        # transition and none spans an autoreset.
+        thunks = [make_env(args.env_id, i, capture_video, run_name) for i in range(num_envs)]
         envs = gym.vector.SyncVectorEnv(thunks, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
     except gym.error.DependencyNotInstalled as e:
         fail(f"{args.env_id} needs a missing dependency ({e}): for MuJoCo envs, pip install 'leanrl[mujoco]'")
     if not isinstance(envs.single_action_space, gym.spaces.Box):
-        fail(f"{args.env_id} has a {type(envs.single_action_space).__name__} action space; this script handles continuous (Box) actions only")
+        fail(f"{args.env_id} has a {type(envs.single_action_space).__name__} action space; SAC handles continuous (Box) actions only (e.g. Pendulum-v1)")
     return envs
 
 
-def transition_next_obs(next_obs, infos):
-    """The next observation of each env's transition. Under SAME_STEP autoreset (see make_envs),
-    where an episode ended next_obs already starts the next one; the true last observation is
-    infos["final_obs"]. Storing that one keeps every transition inside one episode."""
+def real_next_obs(next_obs, infos):
+    """The observation each env reached: `next_obs`, except where an episode just ended: there
+    `next_obs` already starts the next episode and the true last one is in infos."""
     if "final_obs" not in infos:
         return next_obs
-    real_next_obs = next_obs.copy()
+    real = next_obs.copy()
     for i in np.flatnonzero(infos["_final_obs"]):
-        real_next_obs[i] = infos["final_obs"][i]
-    return real_next_obs
+        real[i] = infos["final_obs"][i]
+    return real
 
 
 class ReplayBuffer:
-    """Transitions in numpy arrays on the host, allocated once, oldest overwritten first (what
-    SB3's ReplayBuffer does for CleanRL, without the dependency). Sampled batches are copied to
-    the training device."""
+    """A ring buffer of transitions in numpy arrays on the host, sampled uniformly."""
 
-    def __init__(self, buffer_size, n_obs, n_act, device):
-        self.buffer_size, self.device = buffer_size, device
-        self.observations = np.zeros((buffer_size, n_obs), dtype=np.float32)
-        self.next_observations = np.zeros((buffer_size, n_obs), dtype=np.float32)
+    def __init__(self, buffer_size, n_obs, n_act):
+        check_memory(buffer_size * (2 * n_obs + n_act + 2) * 4, torch.device("cpu"), f"--buffer-size {buffer_size}")
+        self.obs = np.zeros((buffer_size, n_obs), dtype=np.float32)
+        self.next_obs = np.zeros((buffer_size, n_obs), dtype=np.float32)
         self.actions = np.zeros((buffer_size, n_act), dtype=np.float32)
-        self.rewards = np.zeros(buffer_size, dtype=np.float32)
-        self.dones = np.zeros(buffer_size, dtype=np.float32)
-        self.pos, self.size = 0, 0
+        self.rewards = np.zeros((buffer_size, 1), dtype=np.float32)
+        self.dones = np.zeros((buffer_size, 1), dtype=np.float32)
+        self.buffer_size, self.pos, self.size = buffer_size, 0, 0
 
     def add(self, obs, next_obs, actions, rewards, dones):
-        for i in range(len(obs)):
-            self.observations[self.pos] = obs[i]
-            self.next_observations[self.pos] = next_obs[i]
-            self.actions[self.pos] = actions[i]
-            self.rewards[self.pos] = rewards[i]
-            self.dones[self.pos] = dones[i]
-            self.pos = (self.pos + 1) % self.buffer_size
-            self.size = min(self.size + 1, self.buffer_size)
+        idx = (self.pos + np.arange(len(obs))) % self.buffer_size
+        self.obs[idx] = obs
+        self.next_obs[idx] = next_obs
+        self.actions[idx] = actions
+        self.rewards[idx, 0] = rewards
+        self.dones[idx, 0] = dones
+        self.pos = (self.pos + len(obs)) % self.buffer_size
+        self.size = min(self.size + len(obs), self.buffer_size)
 
-    def sample(self, batch_size):
+    def sample(self, batch_size, device):
         idx = np.random.randint(0, self.size, size=batch_size)
-        return (
-            torch.as_tensor(self.observations[idx], device=self.device),
-            torch.as_tensor(self.actions[idx], device=self.device),
-            torch.as_tensor(self.next_observations[idx], device=self.device),
-            torch.as_tensor(self.rewards[idx], device=self.device),
-            torch.as_tensor(self.dones[idx], device=self.device),
-        )
+        return tuple(torch.as_tensor(x[idx], device=device) for x in (self.obs, self.actions, self.next_obs, self.dones, self.rewards))
 
 
 class SoftQNetwork(nn.Module):
@@ -257,31 +232,9 @@ class Actor(nn.Module):
         return action, log_prob, mean
 
 
-def atomic_save(obj, path):
-    """Write then rename: a crash mid-save leaves the previous file whole, never a broken one."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    torch.save(obj, path + ".tmp")
-    os.replace(path + ".tmp", path)
-    return path
-
-
-def save_checkpoint(path, state, args):
-    """Per-network state dicts on the CPU, the same format for the plain and the lean script."""
-    checkpoint = {name: {k: v.detach().cpu().clone() for k, v in sd.items()} for name, sd in state.items() if name != "log_alpha"}
-    checkpoint["log_alpha"] = state["log_alpha"].detach().cpu().clone()
-    checkpoint["args"] = vars(args)
-    return atomic_save(checkpoint, path)
-
-
-def load_checkpoint(path):
-    if not os.path.isfile(path):
-        fail(f"no checkpoint at {path!r}: pass --load-model with a file written by --save-model")
-    return torch.load(path, map_location="cpu", weights_only=False)
-
-
 def evaluate(actor, args, run_name, device):
     """Mean return of the deterministic policy (the squashed mean action) over `eval_episodes`
-    episodes on a fresh environment."""
+    episodes on a fresh env."""
     eval_envs = make_envs(args, run_name + "-eval", 1)
     returns = []
     obs, _ = eval_envs.reset(seed=args.seed + 10_000)
@@ -295,20 +248,227 @@ def evaluate(actor, args, run_name, device):
     eval_envs.close()
     return float(np.mean(returns[: args.eval_episodes]))
 
+# ---------------------------------------------------------------- RUN
+# The same block in every LeanRL script: argument rules, the run's folder and metrics, signals,
+# checkpoints and the summary line. Nothing in it is specific to one algorithm.
+
+# One rule per flag, the same in every script that has the flag.
+COUNTS = ("num_envs", "num_steps", "num_minibatches", "update_epochs", "batch_size", "buffer_size",
+          "train_frequency", "target_network_frequency", "policy_frequency")
+RULES = {
+    "seed": (lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)"),
+    **{k: (lambda v: v >= 0, "0 or more") for k in ("total_timesteps", "learning_starts", "eval_episodes")},
+    **{k: (lambda v: v >= 1, "1 or more") for k in COUNTS},
+    **{k: (lambda v: math.isfinite(v) and v > 0, "a finite number > 0") for k in ("learning_rate", "q_lr", "policy_lr", "max_grad_norm")},
+    **{k: (lambda v: 0 < v <= 1, "a number in (0, 1]") for k in ("gamma", "tau")},
+    **{k: (lambda v: 0 <= v <= 1, "a number in [0, 1]") for k in ("gae_lambda", "start_e", "end_e", "exploration_fraction")},
+    **{k: (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
+       for k in ("clip_coef", "ent_coef", "vf_coef", "alpha", "policy_noise", "noise_clip", "exploration_noise")},
+    "target_kl": (lambda v: v is None or (math.isfinite(v) and v > 0), "a finite number > 0"),
+}
+
+
+def fail(message):
+    """Bad input ends the run with one line on stderr and exit status 2, never a traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_args(args):
+    for name, value in vars(args).items():
+        if name in RULES and not RULES[name][0](value):
+            fail(f"--{name.replace('_', '-')} {value} is out of range: use {RULES[name][1]}")
+    if args.total_timesteps == 0 and not args.load_model:
+        fail("--total-timesteps 0 trains nothing: give a budget, or --load-model to evaluate a checkpoint")
+
+
+def check_memory(nbytes, device, what):
+    """One line, before any work, for a buffer that will not fit in the device's free memory."""
+    try:
+        if device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0]
+        else:
+            free = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return
+    if nbytes > free:
+        fail(f"{what} needs {nbytes / 2**30:.1f} GiB and {device.type} has {free / 2**30:.1f} GiB free: make it smaller")
+
+
+def atomic_save(obj, path):
+    """Write then rename: a crash mid-save leaves the previous file whole, never a broken one."""
+    torch.save(obj, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def load_checkpoint(path, networks, env_id):
+    """Load a checkpoint of either script of the pair into `networks` (name -> module). Tensors
+    and plain types only (weights_only=True): a checkpoint cannot run code."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch.load raises many types for a file that is no checkpoint
+        fail(f"cannot load {path!r} ({type(e).__name__}): pass a file written by --save-model of {ALGORITHM}")
+    saved = checkpoint.get("algorithm") if isinstance(checkpoint, dict) else None
+    if saved != ALGORITHM:
+        fail(f"{path!r} is not a {ALGORITHM} checkpoint ({saved or 'unknown'}): pass one saved by {ALGORITHM}")
+    try:
+        for name, network in networks.items():
+            network.load_state_dict(checkpoint["model"][name])
+    except (KeyError, RuntimeError):
+        hint = f"pass --env-id {checkpoint['env_id']}" if checkpoint["env_id"] != env_id else "use the sizes it was trained with"
+        fail(f"{path!r} holds {ALGORITHM} networks for {checkpoint['env_id']} of other sizes: {hint}")
+
+
+class Run:
+    """Around the training loop: the folder runs/<run_name> (TensorBoard events when tensorboard
+    is installed, curve.csv, the checkpoint), wandb with --track, the progress bar, steps/s after
+    warm-up, SIGTERM handled as Ctrl-C, and the one-line JSON summary."""
+
+    def __init__(self, args, total_steps, warmup_updates=3):
+        self.args, self.warmup_updates = args, warmup_updates
+        self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        self.dir = f"runs/{self.name}"
+        self.wandb = self.writer = self.last_good = self.stop_reason = self.warmup_s = None
+        self.interrupted, self.returns = False, deque(maxlen=10)
+        self.step = self.updates = self.warm_step = 0
+        if args.track:
+            try:
+                import wandb
+            except ImportError:
+                fail("--track needs wandb: pip install wandb (or the extra leanrl[track])")
+            self.wandb = wandb
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+            self.curve = open(f"{self.dir}/curve.csv", "w")
+        except OSError as e:
+            fail(f"cannot write {self.dir} ({e.strerror}): run from a folder you can write to")
+        self.curve.write("step,seconds,episodic_return\n")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(self.dir)
+            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+        except ImportError:
+            print("notice: tensorboard is not installed; metrics go to --track only (pip install tensorboard)", file=sys.stderr)
+        if self.wandb:
+            self.wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=self.name, save_code=True)
+        self.total_steps, self.bar = total_steps, None
+        self.start = self.warm_time = time.perf_counter()
+        signal.signal(signal.SIGTERM, self.on_sigterm)
+
+    def on_sigterm(self, signum, frame):
+        """Schedulers stop jobs with SIGTERM: end the run as Ctrl-C does, saving first."""
+        self.interrupted = signal.SIGTERM
+        raise KeyboardInterrupt
+
+    def scalars(self, step, values):
+        if self.writer:
+            for key, value in values.items():
+                self.writer.add_scalar(key, value, step)
+        if self.wandb:
+            self.wandb.log(values, step=step)
+
+    def episodes(self, step, infos):
+        """CleanRL's charts, one point per finished episode, from gymnasium's episode statistics
+        (in infos["final_info"] under SAME_STEP autoreset)."""
+        info = infos.get("final_info", infos)
+        if "episode" in info:
+            done = info["_episode"]
+            for r, n in zip(info["episode"]["r"][done], info["episode"]["l"][done]):
+                self.returns.append(float(r))
+                self.scalars(step, {"charts/episodic_return": float(r), "charts/episodic_length": int(n)})
+
+    def sps(self):
+        if self.warmup_s is None or self.step <= self.warm_step:
+            return None
+        return (self.step - self.warm_step) / (time.perf_counter() - self.warm_time)
+
+    def log(self, step, updates, metrics, networks):
+        """A log point: steps/s (from the first log point with `warmup_updates` updates done, when
+        every compiled callable has run), bar, curve, metrics, and the weights as last good if
+        they are finite (with --save-model)."""
+        self.bar = self.bar or tqdm.tqdm(total=self.total_steps, file=sys.stderr)
+        self.bar.update(step - self.step)
+        self.step, self.updates, now = step, updates, time.perf_counter()
+        if self.warmup_s is None and updates >= self.warmup_updates:
+            self.warmup_s, self.warm_step, self.warm_time = now - self.start, step, now
+        sps, mean_return = self.sps(), np.mean(self.returns) if self.returns else float("nan")
+        self.bar.set_description(f"sps={sps or float('nan'):6.0f} return={mean_return:8.2f}")
+        if self.returns:
+            self.curve.write(f"{step},{now - self.start:.3f},{mean_return:.3f}\n")
+        self.scalars(step, {**metrics, "charts/SPS": sps or 0.0})
+        if self.args.save_model:
+            state = {name: {k: v.detach().clone() for k, v in net.state_dict().items()} for name, net in networks.items()}
+            if torch.stack([v.isfinite().all() for sd in state.values() for v in sd.values()]).all():
+                self.last_good = state
+
+    def finish(self, step, networks, evaluate, **fields):
+        """Save, evaluate, close and print the summary. Exit 1 after a non-finite loss, 130 after
+        Ctrl-C, 143 after SIGTERM; a checkpoint is only ever saved from finite weights."""
+        self.step = step
+        end_sps, wall_s = self.sps(), time.perf_counter() - self.start
+        if self.bar:
+            self.bar.close()
+        if self.interrupted:
+            print(f"notice: interrupted at step {self.step}; saving what there is", file=sys.stderr)
+        checkpoint, state = None, self.last_good
+        if self.args.save_model:
+            current = {name: net.state_dict() for name, net in networks.items()}
+            if self.stop_reason is None and all(v.isfinite().all() for sd in current.values() for v in sd.values()):
+                state = current
+            if state is None:
+                print("notice: the weights were never finite at a log point; no checkpoint saved", file=sys.stderr)
+            else:
+                model = {name: {k: v.detach().cpu() for k, v in sd.items()} for name, sd in state.items()}
+                saved = {"algorithm": ALGORITHM, "env_id": self.args.env_id, "args": vars(self.args), "model": model}
+                checkpoint = atomic_save(saved, f"{self.dir}/{self.args.exp_name}.pt")
+                print(f"notice: model saved to {checkpoint}", file=sys.stderr)
+        eval_return = None
+        if self.args.eval_episodes > 0 and self.stop_reason is None and not self.interrupted:
+            try:
+                eval_return = evaluate()
+            except KeyboardInterrupt:
+                self.interrupted = self.interrupted or signal.SIGINT
+        self.curve.close()
+        if self.writer:
+            self.writer.close()
+        if self.wandb:
+            self.wandb.finish()
+        summary = {
+            "script": os.path.basename(__file__), "env_id": self.args.env_id, "seed": self.args.seed,
+            "compile": getattr(self.args, "compile", False), "cudagraphs": False, **fields,
+            "total_steps": self.step, "updates": self.updates, "wall_s": wall_s, "sps": end_sps,
+            "warmup_s": self.warmup_s, "episodic_return": np.mean(self.returns) if self.returns else None,
+            "eval_return": eval_return, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "interrupted": bool(self.interrupted), "checkpoint": checkpoint, "run_dir": self.dir,
+        }
+        # Strict JSON: non-finite numbers become null.
+        summary = {k: (round(float(v), 3) if math.isfinite(v) else None) if isinstance(v, (float, np.floating)) else v for k, v in summary.items()}
+        print(json.dumps(summary), flush=True)
+        if self.stop_reason:
+            print(f"error: {self.stop_reason}", file=sys.stderr)
+            sys.exit(1)
+        if self.interrupted:
+            sys.exit(143 if self.interrupted == signal.SIGTERM else 130)
+
 
 def main(args: Args):
     check_args(args)
+    if args.batch_size > args.buffer_size:
+        fail(f"--batch-size {args.batch_size} is larger than --buffer-size {args.buffer_size}: make the buffer hold a batch")
+    if args.num_envs > args.buffer_size:
+        fail(f"--num-envs {args.num_envs} is larger than --buffer-size {args.buffer_size}: make the buffer hold a step of every env")
     num_iterations = args.total_timesteps // args.num_envs
-    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run = Run(args, num_iterations * args.num_envs)
 
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
-
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
 
-    envs = make_envs(args, run_name, args.num_envs)
+    envs = make_envs(args, run.name, args.num_envs, args.capture_video)
     envs.action_space.seed(args.seed)
     n_obs = math.prod(envs.single_observation_space.shape)
     n_act = math.prod(envs.single_action_space.shape)
@@ -317,11 +477,11 @@ def main(args: Args):
     actor = Actor(n_obs, n_act, action_low, action_high, device=device)
     qf1 = SoftQNetwork(n_obs, n_act, device=device)
     qf2 = SoftQNetwork(n_obs, n_act, device=device)
-    checkpoint = load_checkpoint(args.load_model) if args.load_model else None
-    if checkpoint is not None:
-        actor.load_state_dict(checkpoint["actor"])
-        qf1.load_state_dict(checkpoint["qf1"])
-        qf2.load_state_dict(checkpoint["qf2"])
+    # log_alpha in a module of its own, so that checkpoints carry it as they carry the networks.
+    entropy = nn.ParameterDict({"log_alpha": nn.Parameter(torch.zeros(1, device=device), requires_grad=args.autotune)})
+    networks = {"actor": actor, "qf1": qf1, "qf2": qf2, "entropy": entropy}
+    if args.load_model:
+        load_checkpoint(args.load_model, networks, args.env_id)
     qf1_target = SoftQNetwork(n_obs, n_act, device=device)
     qf2_target = SoftQNetwork(n_obs, n_act, device=device)
     qf1_target.load_state_dict(qf1.state_dict())
@@ -330,46 +490,21 @@ def main(args: Args):
     actor_optimizer = optim.Adam(list(actor.parameters()), lr=args.policy_lr)
 
     # Automatic entropy tuning
+    log_alpha = entropy["log_alpha"]
     if args.autotune:
         target_entropy = -torch.prod(torch.Tensor(envs.single_action_space.shape).to(device)).item()
-        log_alpha = torch.zeros(1, requires_grad=True, device=device)
-        if checkpoint is not None:
-            with torch.no_grad():
-                log_alpha.copy_(checkpoint["log_alpha"])
         alpha = log_alpha.exp().item()
         a_optimizer = optim.Adam([log_alpha], lr=args.q_lr)
     else:
         alpha = args.alpha
-        log_alpha = torch.full((1,), math.log(alpha), device=device)
+        log_alpha.fill_(math.log(alpha))
 
-    wandb = None
-    if args.track:
-        import wandb
+    rb = ReplayBuffer(args.buffer_size, n_obs, n_act)
 
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=run_name, save_code=True)
-
-    rb = ReplayBuffer(args.buffer_size, n_obs, n_act, device)
-
-    def state():
-        return {"actor": actor.state_dict(), "qf1": qf1.state_dict(), "qf2": qf2.state_dict(), "log_alpha": log_alpha}
-
-    def snapshot():
-        return {k: ({n: t.clone() for n, t in v.items()} if isinstance(v, dict) else v.detach().clone()) for k, v in state().items()}
-
-    checkpoint_path = f"runs/{run_name}/{args.exp_name}.pt"
-    recent_returns = deque(maxlen=10)
-    curve = []  # (env steps, seconds, mean return) at each log point, for the benchmark's plots
-    global_step, updates, next_log, logged_step = 0, 0, LOG_EVERY, 0
-    start_time = time.perf_counter()
-    warmup_s, warm_step, warm_time = None, 0, start_time
-    last_good = snapshot() if args.save_model else None
-    interrupted = False
-    stop_reason = None
-
+    global_step = updates = 0
     obs, _ = envs.reset(seed=args.seed)
-    pbar = tqdm.tqdm(total=num_iterations * args.num_envs, disable=num_iterations == 0, file=sys.stderr)
     try:
-        for _ in range(num_iterations):
+        for iteration in range(num_iterations):
             if global_step < args.learning_starts:
                 actions = envs.action_space.sample()
             else:
@@ -378,21 +513,15 @@ def main(args: Args):
 
             next_obs, rewards, terminations, truncations, infos = envs.step(actions)
             global_step += args.num_envs
+            run.episodes(global_step, infos)
 
-            if "final_info" in infos:
-                final = infos["final_info"]
-                for i in np.flatnonzero(final["_episode"]):
-                    recent_returns.append(float(final["episode"]["r"][i]))
-                    if wandb is not None:
-                        wandb.log({"charts/episodic_return": final["episode"]["r"][i], "charts/episodic_length": final["episode"]["l"][i]}, step=global_step)
-
-            # Only a termination cuts the bootstrap: a truncated episode (time limit) is
-            # bootstrapped from its true final observation.
-            rb.add(obs, transition_next_obs(next_obs, infos), actions, rewards, terminations)
+            # The done flag is the termination only: a time-limit truncation still bootstraps
+            # from the true last observation (see make_envs for the autoreset).
+            rb.add(obs, real_next_obs(next_obs, infos), actions, rewards, terminations)
             obs = next_obs
 
-            if global_step >= args.learning_starts:
-                data_obs, data_actions, data_next_obs, data_rewards, data_dones = rb.sample(args.batch_size)
+            if global_step > args.learning_starts:
+                data_obs, data_actions, data_next_obs, data_dones, data_rewards = rb.sample(args.batch_size, device)
                 with torch.no_grad():
                     next_state_actions, next_state_log_pi, _ = actor.get_action(data_next_obs)
                     qf1_next_target = qf1_target(data_next_obs, next_state_actions)
@@ -441,104 +570,30 @@ def main(args: Args):
                     for param, target_param in zip(qf2.parameters(), qf2_target.parameters()):
                         target_param.data.copy_(args.tau * param.data + (1 - args.tau) * target_param.data)
 
-            if global_step < next_log:
-                continue
-            next_log = (global_step // LOG_EVERY + 1) * LOG_EVERY
-            pbar.update(global_step - logged_step)
-            logged_step = global_step
-            losses = {}
-            if updates > 0:
-                losses = {"qf_loss": qf_loss.item(), "qf1_loss": qf1_loss.item(), "qf2_loss": qf2_loss.item()}
+            if global_step // LOG_EVERY > (global_step - args.num_envs) // LOG_EVERY or iteration == num_iterations - 1:
+                stats = {}
+                if updates > 0:
+                    stats = {
+                        "losses/qf1_values": qf1_a_values.mean().item(),
+                        "losses/qf2_values": qf2_a_values.mean().item(),
+                        "losses/qf1_loss": qf1_loss.item(),
+                        "losses/qf2_loss": qf2_loss.item(),
+                        "losses/qf_loss": qf_loss.item() / 2.0,
+                    }
                 if updates >= args.policy_frequency:
-                    losses["actor_loss"] = actor_loss.item()
+                    stats.update({"losses/actor_loss": actor_loss.item(), "losses/alpha": alpha})
                     if args.autotune:
-                        losses["alpha_loss"] = alpha_loss.item()
-            bad = [name for name, value in losses.items() if not math.isfinite(value)]
-            if bad:
-                stop_reason = f"non-finite {bad[0]} {losses[bad[0]]} at step {global_step}"
-                break
-            if args.save_model:
-                last_good = snapshot()
-            if warmup_s is None and updates >= args.policy_frequency:
-                warmup_s = time.perf_counter() - start_time
-                warm_step, warm_time = global_step, time.perf_counter()
-            sps = (global_step - warm_step) / max(time.perf_counter() - warm_time, 1e-9) if warmup_s is not None and global_step > warm_step else float("nan")
-            mean_return = float(np.mean(recent_returns)) if recent_returns else float("nan")
-            pbar.set_description(f"sps={sps:6.0f} return={mean_return:8.2f}")
-            if recent_returns:
-                curve.append((global_step, round(time.perf_counter() - start_time, 3), round(mean_return, 3)))
-            if wandb is not None and updates > 0:
-                log = {
-                    "losses/qf1_values": qf1_a_values.mean().item(),
-                    "losses/qf2_values": qf2_a_values.mean().item(),
-                    "losses/qf1_loss": losses["qf1_loss"],
-                    "losses/qf2_loss": losses["qf2_loss"],
-                    "losses/qf_loss": losses["qf_loss"] / 2.0,
-                    "losses/alpha": alpha,
-                    "charts/SPS": sps,
-                }
-                if "actor_loss" in losses:
-                    log["losses/actor_loss"] = losses["actor_loss"]
-                if "alpha_loss" in losses:
-                    log["losses/alpha_loss"] = losses["alpha_loss"]
-                wandb.log(log, step=global_step)
+                        stats["losses/alpha_loss"] = alpha_loss.item()
+                bad = [k for k in ("losses/qf_loss", "losses/actor_loss", "losses/alpha_loss") if not math.isfinite(stats.get(k, 0.0))]
+                if bad:
+                    run.stop_reason = f"non-finite {bad[0][len('losses/'):]} {stats[bad[0]]} at step {global_step}"
+                    break
+                run.log(global_step, updates, stats, networks)
     except KeyboardInterrupt:
-        interrupted = True
-        print(f"notice: interrupted at step {global_step}; saving what there is", file=sys.stderr)
-    finally:
-        pbar.close()
-
-    end_time = time.perf_counter()
-    saved = None
-    if args.save_model:
-        # The state at the last log point, if the run stopped on a non-finite loss.
-        saved = save_checkpoint(checkpoint_path, last_good if stop_reason else state(), args)
-        print(f"notice: model saved to {saved}", file=sys.stderr)
-    eval_return = None
-    if args.eval_episodes > 0 and stop_reason is None:
-        eval_return = evaluate(actor, args, run_name, device)
+        run.interrupted = run.interrupted or signal.SIGINT
     envs.close()
-
-    summary = {
-        "script": os.path.basename(__file__),
-        "env_id": args.env_id,
-        "seed": args.seed,
-        "compile": False,
-        "cudagraphs": False,
-        "device": device.type,
-        "total_steps": global_step,
-        "wall_s": round(end_time - start_time, 3),
-        "sps": round((global_step - warm_step) / (end_time - warm_time), 1) if warmup_s is not None and global_step > warm_step else None,
-        "warmup_s": round(warmup_s, 3) if warmup_s is not None else None,
-        "episodic_return": float(np.mean(recent_returns)) if recent_returns else None,
-        "updates": updates,
-        "eval_return": eval_return,
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "interrupted": interrupted,
-        "checkpoint": saved,
-        "curve": curve[:: max(1, len(curve) // 200)],
-    }
-    if wandb is not None:
-        wandb.finish()
-    print(json.dumps(summary), flush=True)
-    if stop_reason:
-        fail(stop_reason)
-
-
-def parse_args() -> Args:
-    """tyro's command line, where a boolean is a flag (`--compile`, `--no-autotune`), also taking
-    the spelling `--autotune false` or `--autotune=False`."""
-    flags = {"--" + name.replace("_", "-") for name, kind in Args.__annotations__.items() if kind is bool}
-    argv = []
-    for arg in sys.argv[1:]:
-        flag, eq, value = arg.partition("=")
-        if not eq and argv and argv[-1] in flags and arg.lower() in ("true", "false"):
-            flag, value = argv.pop(), arg
-        if flag in flags and value.lower() in ("true", "false"):
-            arg = flag if value.lower() == "true" else "--no-" + flag[2:]
-        argv.append(arg)
-    return tyro.cli(Args, args=argv)
+    run.finish(global_step, networks, lambda: evaluate(actor, args, run.name, device), device=device.type)
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    main(tyro.cli(Args))

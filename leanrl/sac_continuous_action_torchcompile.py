@@ -2,12 +2,12 @@
 
 Soft Actor-Critic (Haarnoja et al., 2018, https://arxiv.org/abs/1801.01290, with the automatic
 entropy tuning of https://arxiv.org/abs/1812.05905) with the details and defaults of CleanRL's
-`sac_continuous_action.py`. Same defaults and the same learning as the plain script
-`sac_continuous_action.py`; only the speed differs. What makes it fast: the twin critics are one
-batched call over their stacked parameters (tensordict `from_modules`), the target update is one
-`lerp_`, the replay buffer is one preallocated tensor on the training device, gathered inside
-the update, the actor's step never computes the critics' weight gradients, Adam is fused, and
-nothing syncs the host with the device between two log points.
+`sac_continuous_action.py`. It learns as the plain script `sac_continuous_action.py` does; what
+changes is where the time goes: the twin critics are one batched call over their stacked
+parameters (tensordict `from_modules`), the target update is one `lerp_`, the replay buffer lives
+on the training device and is gathered inside the update, each update (gather, forward, backward,
+Adam) is one function that compiles to one graph, the actor's step never computes the critics'
+weight gradients, and nothing syncs the host with the device between two log points.
 
     python leanrl/sac_continuous_action_torchcompile.py
     python leanrl/sac_continuous_action_torchcompile.py --compile
@@ -20,11 +20,11 @@ import math
 import os
 import random
 import resource
+import signal
 import sys
 import time
 from collections import deque
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import gymnasium as gym
 import numpy as np
@@ -78,17 +78,17 @@ class Args:
     tau: float = 0.005
     """target smoothing coefficient"""
     batch_size: int = 256
-    """the batch size of sample from the reply memory"""
+    """the batch size of sample from the replay memory"""
     learning_starts: int = 5_000
     """timestep to start learning"""
     policy_lr: float = 3e-4
     """the learning rate of the policy network optimizer"""
     q_lr: float = 1e-3
-    """the learning rate of the Q network network optimizer"""
+    """the learning rate of the Q network optimizer"""
     policy_frequency: int = 2
     """the frequency of training policy (delayed)"""
     target_network_frequency: int = 1  # Denis Yarats' implementation delays this by 2.
-    """the frequency of updates for the target nerworks"""
+    """the frequency of updates for the target networks"""
     alpha: float = 0.2
     """Entropy regularization coefficient."""
     autotune: bool = True
@@ -101,37 +101,9 @@ class Args:
     """whether to replay the hot callables as CUDA graphs (needs a CUDA device)"""
 
 
-# CleanRL logs the losses every 100 environment steps; here that is also the only host sync.
+ALGORITHM = "sac_continuous_action"
+# Losses and the progress bar are logged every LOG_EVERY environment steps, as in CleanRL.
 LOG_EVERY = 100
-
-
-def fail(message: str):
-    """Bad input ends the run with one line on stderr and exit status 2, never a traceback."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def check_args(args):
-    if args.num_envs < 1:
-        fail(f"--num-envs {args.num_envs}: needs at least 1")
-    if args.batch_size < 1:
-        fail(f"--batch-size {args.batch_size}: needs at least 1")
-    if args.batch_size > args.learning_starts:
-        fail(f"--batch-size {args.batch_size} is larger than --learning-starts {args.learning_starts}: the first update needs a full batch of stored transitions")
-    if args.buffer_size < max(args.batch_size, args.num_envs):
-        fail(f"--buffer-size {args.buffer_size} must hold at least --batch-size ({args.batch_size}) and --num-envs ({args.num_envs}) transitions")
-    if args.policy_frequency < 1:
-        fail(f"--policy-frequency {args.policy_frequency}: needs at least 1 (the policy is updated every that many steps)")
-    if args.target_network_frequency < 1:
-        fail(f"--target-network-frequency {args.target_network_frequency}: needs at least 1")
-    if args.env_id not in gym.registry:
-        fail(f"unknown environment id {args.env_id!r}: pass --env-id with a registered gymnasium id, e.g. HalfCheetah-v5")
-    if args.capture_video:
-        if importlib.util.find_spec("moviepy") is None:
-            fail("--capture-video needs moviepy: pip install 'leanrl[video]'")
-        # MuJoCo renders off-screen through EGL, which needs no display; MUJOCO_GL=glfw or
-        # osmesa set by the user wins.
-        os.environ.setdefault("MUJOCO_GL", "egl")
 
 
 def make_env(env_id, idx, capture_video, run_name):
@@ -148,88 +120,68 @@ def make_env(env_id, idx, capture_video, run_name):
     return thunk
 
 
-def make_envs(args, run_name, num_envs):
+def make_envs(args, run_name, num_envs, capture_video=False):
     """The vector env, or one clear line for an env this script cannot use."""
-    thunks = [make_env(args.env_id, i, args.capture_video, run_name) for i in range(num_envs)]
+    if args.env_id not in gym.registry:
+        fail(f"unknown environment id {args.env_id!r}: pass --env-id with a registered gymnasium id, e.g. HalfCheetah-v5")
+    if capture_video:
+        if importlib.util.find_spec("moviepy") is None:
+            fail("--capture-video needs moviepy: pip install 'leanrl[video]'")
+        # MuJoCo renders off-screen through EGL, which needs no display; MUJOCO_GL set by the user wins.
+        os.environ.setdefault("MUJOCO_GL", "egl")
     try:
+        if capture_video:  # a missing renderer fails here, not at the first recorded frame
+            probe = gym.make(args.env_id, render_mode="rgb_array")
+            probe.reset(seed=args.seed)
+            probe.render()
+            probe.close()
         # SAME_STEP autoreset: the step that ends an episode returns the first observation of the
-        # next one, and the true last observation in infos["final_obs"]. The loop stores the
-        # latter as that transition's next observation, so every stored transition is a real
-        # one. Under the NEXT_STEP default the step after a done would be a reset step whose
-        # (last obs, ignored action, first obs) would have to be kept out of the buffer.
+        # next one and the true last one in infos["final_obs"], so every step is one real
+        # transition and none spans an autoreset.
+        thunks = [make_env(args.env_id, i, capture_video, run_name) for i in range(num_envs)]
         envs = gym.vector.SyncVectorEnv(thunks, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
     except gym.error.DependencyNotInstalled as e:
         fail(f"{args.env_id} needs a missing dependency ({e}): for MuJoCo envs, pip install 'leanrl[mujoco]'")
     if not isinstance(envs.single_action_space, gym.spaces.Box):
-        fail(f"{args.env_id} has a {type(envs.single_action_space).__name__} action space; this script handles continuous (Box) actions only")
+        fail(f"{args.env_id} has a {type(envs.single_action_space).__name__} action space; SAC handles continuous (Box) actions only (e.g. Pendulum-v1)")
     return envs
 
 
-def transition_next_obs(next_obs, infos):
-    """The next observation of each env's transition. Under SAME_STEP autoreset (see make_envs),
-    where an episode ended next_obs already starts the next one; the true last observation is
-    infos["final_obs"]. Storing that one keeps every transition inside one episode."""
+def real_next_obs(next_obs, infos):
+    """The observation each env reached: `next_obs`, except where an episode just ended: there
+    `next_obs` already starts the next episode and the true last one is in infos."""
     if "final_obs" not in infos:
         return next_obs
-    real_next_obs = next_obs.copy()
+    real = next_obs.copy()
     for i in np.flatnonzero(infos["_final_obs"]):
-        real_next_obs[i] = infos["final_obs"][i]
-    return real_next_obs
-
-
-class ReplayBuffer:
-    """One preallocated tensor on the training device, one row per transition:
-    [obs | action | reward | next obs | termination]. Allocated once with `torch.empty`
-    (buffer_size x (2 obs + action + 2) floats; rows are never read before they are written), so
-    that adding a step is one host-to-device copy and a sampled batch is one gather, done inside
-    the update. obs and action are adjacent, so the critic's input needs no concatenation."""
-
-    def __init__(self, buffer_size, n_obs, n_act, device):
-        self.buffer_size, self.device = buffer_size, device
-        self.n_obs, self.n_act = n_obs, n_act
-        self.storage = torch.empty((buffer_size, 2 * n_obs + n_act + 2), device=device)
-        self.pos, self.size = 0, 0
-
-    def add(self, obs, actions, rewards, next_obs, terminations):
-        n, o, a = len(obs), self.n_obs, self.n_act
-        rows = np.empty((n, self.storage.shape[1]), dtype=np.float32)
-        rows[:, :o] = obs
-        rows[:, o : o + a] = actions
-        rows[:, o + a] = rewards
-        rows[:, o + a + 1 : 2 * o + a + 1] = next_obs
-        rows[:, -1] = terminations
-        rows = torch.from_numpy(rows).to(self.device, non_blocking=True)
-        first = min(n, self.buffer_size - self.pos)
-        self.storage[self.pos : self.pos + first] = rows[:first]
-        self.storage[: n - first] = rows[first:]
-        self.pos = (self.pos + n) % self.buffer_size
-        self.size = min(self.size + n, self.buffer_size)
-
-    def sample_index(self, batch_size):
-        # Drawn on the device: no host-device sync, and the CUDA graph of the update takes it
-        # as an input.
-        return torch.randint(0, self.size, (batch_size,), device=self.device)
-
-
-def split_rows(rows, n_obs, n_act):
-    """Views of a batch of buffer rows: (obs and action side by side, obs, action, reward,
-    next obs, termination)."""
-    obs_act = rows[:, : n_obs + n_act]
-    reward = rows[:, n_obs + n_act]
-    next_obs = rows[:, n_obs + n_act + 1 : 2 * n_obs + n_act + 1]
-    return obs_act, obs_act[:, :n_obs], obs_act[:, n_obs:], reward, next_obs, rows[:, -1]
+        real[i] = infos["final_obs"][i]
+    return real
 
 
 class SoftQNetwork(nn.Module):
-    """Same layers (and state-dict keys) as the plain script's, so that checkpoints move
-    between the two. The lean script never calls it: it stacks the parameters of two of them
-    and runs both at once in `critic` below."""
+    """The plain script's layers (and state-dict keys), so that checkpoints move between the two.
+    The lean script never calls it: it stacks the parameters of two of them and runs both at
+    once in `critic` below."""
 
     def __init__(self, n_obs, n_act, device=None):
         super().__init__()
         self.fc1 = nn.Linear(n_obs + n_act, 256, device=device)
         self.fc2 = nn.Linear(256, 256, device=device)
         self.fc3 = nn.Linear(256, 1, device=device)
+
+
+def critic(params, x):
+    """Both critics at once from their stacked (2, ...) parameters: x is (batch, n_obs + n_act),
+    the result (2, batch, 1); one batched matmul with its bias per layer.
+
+    `torch.vmap` over `torch.func.functional_call` computes the same thing, but on a 2-core CPU
+    (torch 2.13, batch 256, one thread, min of 7 runs) its per-op dispatch made the critics'
+    forward and backward 3.9 ms against 2.95 ms written out like this, and a whole SAC step
+    14-15 ms against 12 ms, no faster than the plain script's two separate networks (15 ms).
+    Compiled, the vmapped critics took 9.5 ms."""
+    h = torch.baddbmm(params["fc1.bias"].unsqueeze(1), x.expand(2, *x.shape), params["fc1.weight"].mT).relu()
+    h = torch.baddbmm(params["fc2.bias"].unsqueeze(1), h, params["fc2.weight"].mT).relu()
+    return torch.baddbmm(params["fc3.bias"].unsqueeze(1), h, params["fc3.weight"].mT)
 
 
 LOG_STD_MAX = 2
@@ -278,131 +230,109 @@ def squashed_sample(mean, log_std, action_scale, action_bias):
     return action, log_prob, mean
 
 
-def critic(params, x):
-    """Both critics at once from their stacked (2, ...) parameters: x is (batch, n_obs + n_act),
-    the result (2, batch, 1); one batched matmul with its bias per layer.
+class ReplayBuffer:
+    """Transitions in tensors preallocated on the training device (one per field), written in
+    place and gathered inside the update. Steps are staged in host arrays and copied to the
+    device in blocks (when the stage is full, and before each update): one copy per field per
+    block, not per step. On a CPU a torch call costs microseconds, more than the copy it makes;
+    on CUDA each copy is a transfer."""
 
-    `torch.vmap` over `torch.func.functional_call` computes the same thing, but on a 2-core CPU
-    (torch 2.13, batch 256, one thread, loaded machine, min of 7 runs) its per-op dispatch made
-    the critics' forward and backward 3.9 ms against 2.95 ms written out like this, and a whole
-    SAC step 14-15 ms against 12 ms, no faster than the plain script's two separate networks
-    (15 ms). Compiled, the vmapped critics took 9.5 ms."""
-    h = torch.baddbmm(params["fc1.bias"].unsqueeze(1), x.expand(2, *x.shape), params["fc1.weight"].mT).relu()
-    h = torch.baddbmm(params["fc2.bias"].unsqueeze(1), h, params["fc2.weight"].mT).relu()
-    return torch.baddbmm(params["fc3.bias"].unsqueeze(1), h, params["fc3.weight"].mT)
+    def __init__(self, buffer_size, fields, stage_rows, device):
+        # fields: name -> (shape of one row, dtype)
+        row_bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in fields.values())
+        check_memory(buffer_size * row_bytes, torch.device(device), f"--buffer-size {buffer_size}")
+        self.storage = {k: torch.zeros(buffer_size, *shape, dtype=dtype, device=device) for k, (shape, dtype) in fields.items()}
+        self.stage = {k: np.zeros((stage_rows, *shape), dtype=torch.empty(0, dtype=dtype).numpy().dtype) for k, (shape, dtype) in fields.items()}
+        self.buffer_size, self.stage_rows, self.device = buffer_size, stage_rows, device
+        self.pos = self.size = self.pending = 0
+
+    def add(self, **rows):
+        n = len(next(iter(rows.values())))
+        for key, value in rows.items():
+            self.stage[key][self.pending : self.pending + n] = value
+        self.pending += n
+        if self.pending + n > self.stage_rows:
+            self.flush()
+
+    def flush(self):
+        """Copy the staged steps into the device storage, in at most two slices per field."""
+        n, pos = self.pending, self.pos
+        first = min(n, self.buffer_size - pos)
+        for key, staged in self.stage.items():
+            dest = self.storage[key]
+            dest[pos : pos + first].copy_(torch.from_numpy(staged[:first]))
+            dest[: n - first].copy_(torch.from_numpy(staged[first:n]))
+        self.pos, self.size, self.pending = (pos + n) % self.buffer_size, min(self.size + n, self.buffer_size), 0
+
+    def sample(self, batch_size):
+        """Indices of a uniform batch, drawn on the device (no host sync; a CUDA graph of the
+        update takes them as its input)."""
+        self.flush()
+        return torch.randint(self.size, (batch_size,), device=self.device)
 
 
 class Adam:
-    """`optim.Adam` with its defaults, as a call on tensors: torch's functional `adam` (the code
-    `optim.Adam.step()` runs) on state kept here, given the gradients by parameter name. Inside a
-    compiled update it traces into the update's single graph. `loss.backward()` and
-    `optimizer.step()` there break the graph instead, and dynamo then compiles Adam's step on its
-    own, once per optimizer (seen on CUDA as recompiles).
+    """torch.optim.Adam's step as a call on tensors: torch's functional `adam` (the code that
+    `optim.Adam.step()` runs) on state kept here. In a compiled update it traces into the one
+    graph, where `optimizer.step()` would break it (and, on CUDA, compile once per optimizer).
 
-    `params` are detached views of the parameters, updated in place: the update differentiates
-    with respect to them. `fused`: one kernel for all the parameters, for eager updates; compiled
-    updates take the single-tensor loop, which inductor fuses. `capturable`: the step counts
-    stay on the device, so a step never syncs with the host and can be captured in a CUDA graph."""
+    `params`: (name, parameter) pairs; their detached views are updated in place, so the modules
+    see each step. `lr` may be a 0-d tensor annealed in place. `fused`: one kernel for all the
+    tensors, for eager updates. `capturable` (CUDA): the step counts stay on the device, so a
+    step never syncs and can be captured in a CUDA graph."""
 
-    def __init__(self, named_params, lr, fused=False, capturable=False):
-        self.params = {name: p.detach() for name, p in named_params}
+    def __init__(self, params, lr, eps=1e-8, fused=False, capturable=False):
+        self.params = {name: p.detach() for name, p in params}
         self.exp_avgs = [torch.zeros_like(p) for p in self.params.values()]
         self.exp_avg_sqs = [torch.zeros_like(p) for p in self.params.values()]
         self.steps = [torch.zeros((), device=p.device) for p in self.params.values()]
-        self.lr, self.fused, self.capturable = lr, fused, capturable
+        self.lr, self.eps, self.fused, self.capturable = lr, eps, fused, capturable
 
     @torch.no_grad()
     def step(self, grads):
-        # torch.func returns a weight's gradient in the layout the backward made it (transposed,
-        # for a weight used as `w.mT`); the fused kernel reads it as if laid out like the weight
-        # (seen on a CPU, torch 2.13: wrong steps for the transposed weights).
+        # torch.func may return a gradient in the layout its backward made (transposed for a
+        # weight used as `w.mT`); the fused kernel reads it as if laid out like the weight.
         grads = [grads[name].contiguous() for name in self.params]
         adam(
             list(self.params.values()), grads, self.exp_avgs, self.exp_avg_sqs, [], self.steps,
             foreach=False, fused=self.fused or None, capturable=self.capturable,
-            amsgrad=False, beta1=0.9, beta2=0.999, lr=self.lr, weight_decay=0.0, eps=1e-8, maximize=False,
+            amsgrad=False, beta1=0.9, beta2=0.999, lr=self.lr, weight_decay=0.0, eps=self.eps, maximize=False,
         )
 
 
-def make_learner(n_obs, n_act, action_low, action_high, args, device, checkpoint=None, capturable=False, fused=False):
-    """Networks, targets, entropy coefficient and optimizers, fresh or from a checkpoint of
-    either script of the pair (per-network state dicts). `capturable` and `fused` go to Adam."""
-    actor = Actor(n_obs, n_act, action_low, action_high, device=device)
-    qf1 = SoftQNetwork(n_obs, n_act, device=device)
-    qf2 = SoftQNetwork(n_obs, n_act, device=device)
-    if checkpoint is not None:
-        actor.load_state_dict(checkpoint["actor"])
-        qf1.load_state_dict(checkpoint["qf1"])
-        qf2.load_state_dict(checkpoint["qf2"])
-    # The twin critics as one TensorDict of stacked (2, ...) parameters, and their targets as
-    # its detached copy: the Polyak update is one lerp_ over all of them.
-    q_stack = from_modules(qf1, qf2, as_module=True)
-    q_stack_data = q_stack.data
-    q_target_stack = q_stack_data.clone()
-    # Acting uses a detached view of the actor's parameters: no autograd bookkeeping per step,
-    # and every optimizer step is visible to it at once (the storages are shared).
-    actor_detach = Actor(n_obs, n_act, action_low, action_high, device="meta")
-    from_module(actor).data.to_module(actor_detach)
+def make_policy(actor):
+    """Acting: a sampled action. `actor` is a copy of the actor whose parameters are detached
+    views of the trained ones: no autograd bookkeeping per step, and every optimizer step is
+    visible to it at once."""
 
-    if args.autotune:
-        log_alpha = torch.zeros(1, device=device, requires_grad=True)
-        if checkpoint is not None:
-            with torch.no_grad():
-                log_alpha.copy_(checkpoint["log_alpha"])
-    else:
-        log_alpha = torch.full((1,), math.log(args.alpha), device=device)
-    # alpha lives in a tensor that the actor step updates in place: the critic step reads the
-    # new value without a host sync and without recompiling.
-    alpha = log_alpha.detach().exp()
+    def policy(obs):
+        return actor.get_action(obs)[0]
 
-    q_params = dict(q_stack.flatten_keys(".").items())
-    opt = dict(capturable=capturable, fused=fused)
-    q_optimizer = Adam(q_params.items(), args.q_lr, **opt)
-    actor_optimizer = Adam(actor.named_parameters(), args.policy_lr, **opt)
-    a_optimizer = Adam([("log_alpha", log_alpha)], args.q_lr, **opt) if args.autotune else None
-    return SimpleNamespace(
-        actor=actor,
-        actor_detach=actor_detach,
-        q_stack=q_stack,
-        q_stack_data=q_stack_data,
-        q_target_stack=q_target_stack,
-        q_params=q_params,
-        q_target=dict(q_target_stack.flatten_keys(".").items()),
-        log_alpha=log_alpha,
-        alpha=alpha,
-        q_optimizer=q_optimizer,
-        actor_optimizer=actor_optimizer,
-        a_optimizer=a_optimizer,
-    )
+    return policy
 
 
-def make_update(sac, storage, n_obs, n_act, args):
-    """The two hot callables, closing over the learner `sac` (see make_learner) and the buffer
-    storage:
+def make_update(actor, target_params, alpha, q_optimizer, actor_optimizer, a_optimizer, storage, gamma):
+    """The two hot callables, on the minibatch at rows `idx` of the replay storage:
 
-    - update_critic(idx): one step of both critics on the buffer rows `idx`;
-    - update_actor(idx): one step of the actor (and of the entropy coefficient with
-      `--autotune`) on the same rows;
-    - update_target(): the Polyak average of the critics into their targets.
+    - update_critic(idx): one step of both critics;
+    - update_actor(idx): one step of the actor, and of the entropy coefficient when `a_optimizer`
+      is given (--autotune); `alpha` is a tensor it updates in place, so the critic step reads
+      the new value without a host sync and without recompiling.
 
-    The first two gather their batch from the buffer themselves, so that the gather fuses with
-    the forward pass, and return their metrics as one detached tensor that stays on the
-    device. Gradients come from torch.func and the steps from `Adam` above, so that each update
-    is one graph under torch.compile: gather, forward, backward and Adam."""
-    actor, q_target, alpha = sac.actor, sac.q_target, sac.alpha
-    q_optimizer, actor_optimizer, a_optimizer = sac.q_optimizer, sac.actor_optimizer, sac.a_optimizer
+    Gradients come from torch.func with respect to the detached parameters that Adam updates in
+    place, so that each update is one graph under torch.compile: gather, forward, backward, Adam.
+    Each returns its metrics (METRICS, in order) as one tensor that stays on the device."""
     action_scale, action_bias = actor.action_scale, actor.action_bias
-    gamma, tau, autotune = args.gamma, args.tau, args.autotune
-    target_entropy = -float(n_act)
-    # What torch.func differentiates with respect to: the detached parameters that Adam updates
-    # in place (the modules' parameters share their storage).
+    target_entropy = -float(action_scale.numel())
     q_params, actor_params = q_optimizer.params, actor_optimizer.params
+    target = dict(target_params.flatten_keys(".").items())  # the very tensors lerp_ updates
 
     def critic_loss(q_params, obs_act, next_q_value):
         q_a_values = critic(q_params, obs_act).view(2, -1)
         q_losses = (q_a_values - next_q_value).pow(2).mean(1)
         qf_loss = q_losses.sum()
-        return qf_loss, torch.stack([q_a_values[0].mean(), q_a_values[1].mean(), q_losses[0], q_losses[1], qf_loss]).detach()
+        # CleanRL logs half the critics' summed loss as losses/qf_loss.
+        return qf_loss, torch.stack([q_a_values[0].mean(), q_a_values[1].mean(), q_losses[0], q_losses[1], qf_loss / 2]).detach()
 
     def actor_loss(actor_params, obs):
         pi, log_pi, _ = squashed_sample(*torch.func.functional_call(actor, actor_params, (obs,)), action_scale, action_bias)
@@ -420,79 +350,41 @@ def make_update(sac, storage, n_obs, n_act, args):
     alpha_grad = torch.func.grad_and_value(alpha_loss)
 
     def update_critic(idx):
-        obs_act, _, _, reward, next_obs, termination = split_rows(storage[idx], n_obs, n_act)
+        obs, actions, next_obs = storage["obs"][idx], storage["actions"][idx], storage["next_obs"][idx]
         with torch.no_grad():
             next_state_actions, next_state_log_pi, _ = actor.get_action(next_obs)
-            q_next_target = critic(q_target, torch.cat([next_obs, next_state_actions], 1))
+            q_next_target = critic(target, torch.cat([next_obs, next_state_actions], 1))
             min_qf_next_target = q_next_target.min(0).values - alpha * next_state_log_pi
-            next_q_value = reward + (1 - termination) * gamma * min_qf_next_target.view(-1)
-
-        grads, stats = critic_grad(q_params, obs_act, next_q_value)
+            next_q_value = storage["rewards"][idx] + (1 - storage["dones"][idx]) * gamma * min_qf_next_target.view(-1)
+        grads, metrics = critic_grad(q_params, torch.cat([obs, actions], 1), next_q_value)
         q_optimizer.step(grads)
-        return stats
+        return metrics
 
     def update_actor(idx):
-        obs = storage[idx, :n_obs]
+        obs = storage["obs"][idx]
         grads, loss = actor_grad(actor_params, obs)
         actor_optimizer.step(grads)
+        if a_optimizer is None:
+            return torch.stack([loss, alpha.view(())]).detach()
+        with torch.no_grad():
+            _, log_pi, _ = actor.get_action(obs)
+        log_alpha = a_optimizer.params["log_alpha"]
+        grad, a_loss = alpha_grad(log_alpha, log_pi)
+        a_optimizer.step({"log_alpha": grad})
+        alpha.copy_(log_alpha.exp())
+        return torch.stack([loss, alpha.view(()), a_loss]).detach()
 
-        if autotune:
-            with torch.no_grad():
-                _, log_pi, _ = actor.get_action(obs)
-            log_alpha = a_optimizer.params["log_alpha"]
-            grad, a_loss = alpha_grad(log_alpha, log_pi)
-            a_optimizer.step({"log_alpha": grad})
-            alpha.copy_(log_alpha.exp())
-        else:
-            a_loss = torch.zeros((), device=obs.device)
-        return torch.stack([loss, a_loss, alpha.view(())]).detach()
-
-    def update_target():
-        # target <- tau * online + (1 - tau) * target for all twelve tensors in one foreach op,
-        # in place, so the target dict the critic step reads sees it.
-        sac.q_target_stack.lerp_(sac.q_stack_data, tau)
-
-    return update_critic, update_actor, update_target
+    return update_critic, update_actor
 
 
-def make_policy(actor):
-    """Acting: a sampled action, without autograd."""
-
-    def policy(obs):
-        return actor.get_action(obs)[0]
-
-    return policy
-
-
-CRITIC_METRICS = ["qf1_values", "qf2_values", "qf1_loss", "qf2_loss", "qf_loss"]
-ACTOR_METRICS = ["actor_loss", "alpha_loss", "alpha"]
-
-
-def atomic_save(obj, path):
-    """Write then rename: a crash mid-save leaves the previous file whole, never a broken one."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    torch.save(obj, path + ".tmp")
-    os.replace(path + ".tmp", path)
-    return path
-
-
-def save_checkpoint(path, state, args):
-    """Per-network state dicts on the CPU, the same format for the plain and the lean script."""
-    checkpoint = {name: {k: v.detach().cpu().clone() for k, v in sd.items()} for name, sd in state.items() if name != "log_alpha"}
-    checkpoint["log_alpha"] = state["log_alpha"].detach().cpu().clone()
-    checkpoint["args"] = vars(args)
-    return atomic_save(checkpoint, path)
-
-
-def load_checkpoint(path):
-    if not os.path.isfile(path):
-        fail(f"no checkpoint at {path!r}: pass --load-model with a file written by --save-model")
-    return torch.load(path, map_location="cpu", weights_only=False)
+# The critic step returns the first five, the actor step the rest (alpha_loss with --autotune).
+METRICS = ["losses/qf1_values", "losses/qf2_values", "losses/qf1_loss", "losses/qf2_loss", "losses/qf_loss",
+           "losses/actor_loss", "losses/alpha", "losses/alpha_loss"]
 
 
 def evaluate(actor, args, run_name, device):
     """Mean return of the deterministic policy (the squashed mean action) over `eval_episodes`
-    episodes on a fresh environment."""
+    episodes on a fresh env."""
     eval_envs = make_envs(args, run_name + "-eval", 1)
     returns = []
     obs, _ = eval_envs.reset(seed=args.seed + 10_000)
@@ -506,37 +398,272 @@ def evaluate(actor, args, run_name, device):
     eval_envs.close()
     return float(np.mean(returns[: args.eval_episodes]))
 
+# ---------------------------------------------------------------- RUN
+# The same block in every LeanRL script: argument rules, the run's folder and metrics, signals,
+# checkpoints and the summary line. Nothing in it is specific to one algorithm.
+
+# One rule per flag, the same in every script that has the flag.
+COUNTS = ("num_envs", "num_steps", "num_minibatches", "update_epochs", "batch_size", "buffer_size",
+          "train_frequency", "target_network_frequency", "policy_frequency")
+RULES = {
+    "seed": (lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)"),
+    **{k: (lambda v: v >= 0, "0 or more") for k in ("total_timesteps", "learning_starts", "eval_episodes")},
+    **{k: (lambda v: v >= 1, "1 or more") for k in COUNTS},
+    **{k: (lambda v: math.isfinite(v) and v > 0, "a finite number > 0") for k in ("learning_rate", "q_lr", "policy_lr", "max_grad_norm")},
+    **{k: (lambda v: 0 < v <= 1, "a number in (0, 1]") for k in ("gamma", "tau")},
+    **{k: (lambda v: 0 <= v <= 1, "a number in [0, 1]") for k in ("gae_lambda", "start_e", "end_e", "exploration_fraction")},
+    **{k: (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
+       for k in ("clip_coef", "ent_coef", "vf_coef", "alpha", "policy_noise", "noise_clip", "exploration_noise")},
+    "target_kl": (lambda v: v is None or (math.isfinite(v) and v > 0), "a finite number > 0"),
+}
+
+
+def fail(message):
+    """Bad input ends the run with one line on stderr and exit status 2, never a traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_args(args):
+    for name, value in vars(args).items():
+        if name in RULES and not RULES[name][0](value):
+            fail(f"--{name.replace('_', '-')} {value} is out of range: use {RULES[name][1]}")
+    if args.total_timesteps == 0 and not args.load_model:
+        fail("--total-timesteps 0 trains nothing: give a budget, or --load-model to evaluate a checkpoint")
+
+
+def check_memory(nbytes, device, what):
+    """One line, before any work, for a buffer that will not fit in the device's free memory."""
+    try:
+        if device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0]
+        else:
+            free = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return
+    if nbytes > free:
+        fail(f"{what} needs {nbytes / 2**30:.1f} GiB and {device.type} has {free / 2**30:.1f} GiB free: make it smaller")
+
+
+def atomic_save(obj, path):
+    """Write then rename: a crash mid-save leaves the previous file whole, never a broken one."""
+    torch.save(obj, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def load_checkpoint(path, networks, env_id):
+    """Load a checkpoint of either script of the pair into `networks` (name -> module). Tensors
+    and plain types only (weights_only=True): a checkpoint cannot run code."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch.load raises many types for a file that is no checkpoint
+        fail(f"cannot load {path!r} ({type(e).__name__}): pass a file written by --save-model of {ALGORITHM}")
+    saved = checkpoint.get("algorithm") if isinstance(checkpoint, dict) else None
+    if saved != ALGORITHM:
+        fail(f"{path!r} is not a {ALGORITHM} checkpoint ({saved or 'unknown'}): pass one saved by {ALGORITHM}")
+    try:
+        for name, network in networks.items():
+            network.load_state_dict(checkpoint["model"][name])
+    except (KeyError, RuntimeError):
+        hint = f"pass --env-id {checkpoint['env_id']}" if checkpoint["env_id"] != env_id else "use the sizes it was trained with"
+        fail(f"{path!r} holds {ALGORITHM} networks for {checkpoint['env_id']} of other sizes: {hint}")
+
+
+class Run:
+    """Around the training loop: the folder runs/<run_name> (TensorBoard events when tensorboard
+    is installed, curve.csv, the checkpoint), wandb with --track, the progress bar, steps/s after
+    warm-up, SIGTERM handled as Ctrl-C, and the one-line JSON summary."""
+
+    def __init__(self, args, total_steps, warmup_updates=3):
+        self.args, self.warmup_updates = args, warmup_updates
+        self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        self.dir = f"runs/{self.name}"
+        self.wandb = self.writer = self.last_good = self.stop_reason = self.warmup_s = None
+        self.interrupted, self.returns = False, deque(maxlen=10)
+        self.step = self.updates = self.warm_step = 0
+        if args.track:
+            try:
+                import wandb
+            except ImportError:
+                fail("--track needs wandb: pip install wandb (or the extra leanrl[track])")
+            self.wandb = wandb
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+            self.curve = open(f"{self.dir}/curve.csv", "w")
+        except OSError as e:
+            fail(f"cannot write {self.dir} ({e.strerror}): run from a folder you can write to")
+        self.curve.write("step,seconds,episodic_return\n")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(self.dir)
+            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+        except ImportError:
+            print("notice: tensorboard is not installed; metrics go to --track only (pip install tensorboard)", file=sys.stderr)
+        if self.wandb:
+            self.wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=self.name, save_code=True)
+        self.total_steps, self.bar = total_steps, None
+        self.start = self.warm_time = time.perf_counter()
+        signal.signal(signal.SIGTERM, self.on_sigterm)
+
+    def on_sigterm(self, signum, frame):
+        """Schedulers stop jobs with SIGTERM: end the run as Ctrl-C does, saving first."""
+        self.interrupted = signal.SIGTERM
+        raise KeyboardInterrupt
+
+    def scalars(self, step, values):
+        if self.writer:
+            for key, value in values.items():
+                self.writer.add_scalar(key, value, step)
+        if self.wandb:
+            self.wandb.log(values, step=step)
+
+    def episodes(self, step, infos):
+        """CleanRL's charts, one point per finished episode, from gymnasium's episode statistics
+        (in infos["final_info"] under SAME_STEP autoreset)."""
+        info = infos.get("final_info", infos)
+        if "episode" in info:
+            done = info["_episode"]
+            for r, n in zip(info["episode"]["r"][done], info["episode"]["l"][done]):
+                self.returns.append(float(r))
+                self.scalars(step, {"charts/episodic_return": float(r), "charts/episodic_length": int(n)})
+
+    def sps(self):
+        if self.warmup_s is None or self.step <= self.warm_step:
+            return None
+        return (self.step - self.warm_step) / (time.perf_counter() - self.warm_time)
+
+    def log(self, step, updates, metrics, networks):
+        """A log point: steps/s (from the first log point with `warmup_updates` updates done, when
+        every compiled callable has run), bar, curve, metrics, and the weights as last good if
+        they are finite (with --save-model)."""
+        self.bar = self.bar or tqdm.tqdm(total=self.total_steps, file=sys.stderr)
+        self.bar.update(step - self.step)
+        self.step, self.updates, now = step, updates, time.perf_counter()
+        if self.warmup_s is None and updates >= self.warmup_updates:
+            self.warmup_s, self.warm_step, self.warm_time = now - self.start, step, now
+        sps, mean_return = self.sps(), np.mean(self.returns) if self.returns else float("nan")
+        self.bar.set_description(f"sps={sps or float('nan'):6.0f} return={mean_return:8.2f}")
+        if self.returns:
+            self.curve.write(f"{step},{now - self.start:.3f},{mean_return:.3f}\n")
+        self.scalars(step, {**metrics, "charts/SPS": sps or 0.0})
+        if self.args.save_model:
+            state = {name: {k: v.detach().clone() for k, v in net.state_dict().items()} for name, net in networks.items()}
+            if torch.stack([v.isfinite().all() for sd in state.values() for v in sd.values()]).all():
+                self.last_good = state
+
+    def finish(self, step, networks, evaluate, **fields):
+        """Save, evaluate, close and print the summary. Exit 1 after a non-finite loss, 130 after
+        Ctrl-C, 143 after SIGTERM; a checkpoint is only ever saved from finite weights."""
+        self.step = step
+        end_sps, wall_s = self.sps(), time.perf_counter() - self.start
+        if self.bar:
+            self.bar.close()
+        if self.interrupted:
+            print(f"notice: interrupted at step {self.step}; saving what there is", file=sys.stderr)
+        checkpoint, state = None, self.last_good
+        if self.args.save_model:
+            current = {name: net.state_dict() for name, net in networks.items()}
+            if self.stop_reason is None and all(v.isfinite().all() for sd in current.values() for v in sd.values()):
+                state = current
+            if state is None:
+                print("notice: the weights were never finite at a log point; no checkpoint saved", file=sys.stderr)
+            else:
+                model = {name: {k: v.detach().cpu() for k, v in sd.items()} for name, sd in state.items()}
+                saved = {"algorithm": ALGORITHM, "env_id": self.args.env_id, "args": vars(self.args), "model": model}
+                checkpoint = atomic_save(saved, f"{self.dir}/{self.args.exp_name}.pt")
+                print(f"notice: model saved to {checkpoint}", file=sys.stderr)
+        eval_return = None
+        if self.args.eval_episodes > 0 and self.stop_reason is None and not self.interrupted:
+            try:
+                eval_return = evaluate()
+            except KeyboardInterrupt:
+                self.interrupted = self.interrupted or signal.SIGINT
+        self.curve.close()
+        if self.writer:
+            self.writer.close()
+        if self.wandb:
+            self.wandb.finish()
+        summary = {
+            "script": os.path.basename(__file__), "env_id": self.args.env_id, "seed": self.args.seed,
+            "compile": getattr(self.args, "compile", False), "cudagraphs": False, **fields,
+            "total_steps": self.step, "updates": self.updates, "wall_s": wall_s, "sps": end_sps,
+            "warmup_s": self.warmup_s, "episodic_return": np.mean(self.returns) if self.returns else None,
+            "eval_return": eval_return, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "interrupted": bool(self.interrupted), "checkpoint": checkpoint, "run_dir": self.dir,
+        }
+        # Strict JSON: non-finite numbers become null.
+        summary = {k: (round(float(v), 3) if math.isfinite(v) else None) if isinstance(v, (float, np.floating)) else v for k, v in summary.items()}
+        print(json.dumps(summary), flush=True)
+        if self.stop_reason:
+            print(f"error: {self.stop_reason}", file=sys.stderr)
+            sys.exit(1)
+        if self.interrupted:
+            sys.exit(143 if self.interrupted == signal.SIGTERM else 130)
+
 
 def main(args: Args):
     check_args(args)
+    if args.batch_size > args.buffer_size:
+        fail(f"--batch-size {args.batch_size} is larger than --buffer-size {args.buffer_size}: make the buffer hold a batch")
+    if args.num_envs > args.buffer_size:
+        fail(f"--num-envs {args.num_envs} is larger than --buffer-size {args.buffer_size}: make the buffer hold a step of every env")
     num_iterations = args.total_timesteps // args.num_envs
-    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run = Run(args, num_iterations * args.num_envs)
 
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
-
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     cudagraphs = args.cudagraphs and device.type == "cuda"
     if args.cudagraphs and not cudagraphs:
         print("notice: --cudagraphs needs a CUDA device; running without CUDA graphs", file=sys.stderr)
 
-    envs = make_envs(args, run_name, args.num_envs)
+    envs = make_envs(args, run.name, args.num_envs, args.capture_video)
     envs.action_space.seed(args.seed)
     n_obs = math.prod(envs.single_observation_space.shape)
     n_act = math.prod(envs.single_action_space.shape)
     action_low, action_high = envs.single_action_space.low, envs.single_action_space.high
 
-    checkpoint = load_checkpoint(args.load_model) if args.load_model else None
+    actor = Actor(n_obs, n_act, action_low, action_high, device=device)
+    qf1, qf2 = SoftQNetwork(n_obs, n_act, device=device), SoftQNetwork(n_obs, n_act, device=device)
+    entropy = nn.ParameterDict({"log_alpha": nn.Parameter(torch.zeros(1, device=device), requires_grad=args.autotune)})
+    networks = {"actor": actor, "qf1": qf1, "qf2": qf2, "entropy": entropy}
+    if args.load_model:
+        load_checkpoint(args.load_model, networks, args.env_id)
+    log_alpha = entropy["log_alpha"]
+    if not args.autotune:
+        log_alpha.fill_(math.log(args.alpha))
+    # alpha lives in a tensor that the actor step updates in place.
+    alpha = log_alpha.detach().exp()
+    # The twin critics as one TensorDict of stacked (2, ...) parameters (qf1 and qf2 become views
+    # of its halves, for checkpoints), and their targets as its copy: the Polyak update is one lerp_.
+    q_params = from_modules(qf1, qf2).data
+    q_params[0].to_module(qf1)
+    q_params[1].to_module(qf2)
+    target_params = q_params.clone()
+    # Acting uses a copy of the actor on detached views of its parameters (see make_policy).
+    actor_detach = Actor(n_obs, n_act, action_low, action_high, device="meta")
+    from_module(actor).data.to_module(actor_detach)
     # Adam: fused (one kernel for all parameters) when the updates run eager; the single-tensor
     # loop, which inductor fuses into the update's graph, when they are compiled. On CUDA its
     # step counts live on the device (capturable): no host sync, and CUDA graphs can capture it.
-    sac = make_learner(n_obs, n_act, action_low, action_high, args, device, checkpoint, capturable=device.type == "cuda", fused=not args.compile)
+    opt = dict(fused=not args.compile, capturable=device.type == "cuda")
+    q_optimizer = Adam(q_params.flatten_keys(".").items(), args.q_lr, **opt)
+    actor_optimizer = Adam(actor.named_parameters(), args.policy_lr, **opt)
+    a_optimizer = Adam([("log_alpha", log_alpha)], args.q_lr, **opt) if args.autotune else None
 
-    rb = ReplayBuffer(args.buffer_size, n_obs, n_act, device)
-    update_critic, update_actor, update_target = make_update(sac, rb.storage, n_obs, n_act, args)
-    policy = make_policy(sac.actor_detach)
+    # Before learning starts, steps go to the device in blocks of up to LOG_EVERY steps; after,
+    # each update's sample copies the one step staged since the last.
+    stage_steps = max(1, min(LOG_EVERY, args.buffer_size // args.num_envs))
+    fields = {"obs": ((n_obs,), torch.float32), "actions": ((n_act,), torch.float32), "rewards": ((), torch.float32),
+              "next_obs": ((n_obs,), torch.float32), "dones": ((), torch.float32)}
+    rb = ReplayBuffer(args.buffer_size, fields, stage_steps * args.num_envs, device)
+
+    policy = make_policy(actor_detach)
+    update_critic, update_actor = make_update(actor, target_params, alpha, q_optimizer, actor_optimizer, a_optimizer, rb.storage, args.gamma)
     # What --compile compiles, measured on a 2-core CPU with torch 2.13 (batch 256, HalfCheetah
     # sizes, one thread, CPU time, median of 7 rounds of 10 steps): the updates. A SAC step
     # (critic step, actor step, target update) took 11.8 ms eager and 7.9 ms with both updates
@@ -555,160 +682,58 @@ def main(args: Args):
         update_actor = CudaGraphModule(update_actor)
         policy = CudaGraphModule(policy)
 
-    wandb = None
-    if args.track:
-        import wandb
-
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=run_name, save_code=True)
-
-    def state():
-        critics = [dict(sac.q_stack_data[i].flatten_keys(".").items()) for i in range(2)]
-        return {"actor": sac.actor.state_dict(), "qf1": critics[0], "qf2": critics[1], "log_alpha": sac.log_alpha}
-
-    def snapshot():
-        return {k: ({n: t.clone() for n, t in v.items()} if isinstance(v, dict) else v.detach().clone()) for k, v in state().items()}
-
-    checkpoint_path = f"runs/{run_name}/{args.exp_name}.pt"
-    recent_returns = deque(maxlen=10)
-    curve = []  # (env steps, seconds, mean return) at each log point, for the benchmark's plots
-    global_step, updates, next_log, logged_step = 0, 0, LOG_EVERY, 0
-    critic_stats, actor_stats = None, None
-    start_time = time.perf_counter()
-    warmup_s, warm_step, warm_time = None, 0, start_time
-    last_good = snapshot() if args.save_model else None
-    interrupted = False
-    stop_reason = None
-
+    global_step = updates = 0
+    critic_metrics = actor_metrics = None
     obs, _ = envs.reset(seed=args.seed)
-    pbar = tqdm.tqdm(total=num_iterations * args.num_envs, disable=num_iterations == 0, file=sys.stderr)
     try:
-        for _ in range(num_iterations):
-            if global_step < args.learning_starts:
-                actions = envs.action_space.sample()
-            else:
-                if cudagraphs:
-                    torch.compiler.cudagraph_mark_step_begin()
-                with torch.no_grad():
-                    # note: a CPU-GPU sync point on CUDA; a no-copy view on a CPU
+        # Gradients come from torch.func inside the updates, which this context does not reach.
+        with torch.no_grad():
+            for iteration in range(num_iterations):
+                if global_step < args.learning_starts:
+                    actions = envs.action_space.sample()
+                else:
+                    if cudagraphs:
+                        torch.compiler.cudagraph_mark_step_begin()
+                    # note: .cpu() is a CPU-GPU sync point on CUDA, which the host env needs anyway
                     actions = policy(torch.as_tensor(obs, device=device, dtype=torch.float)).cpu().numpy()
+                next_obs, rewards, terminations, truncations, infos = envs.step(actions)
+                global_step += args.num_envs
+                run.episodes(global_step, infos)
 
-            next_obs, rewards, terminations, truncations, infos = envs.step(actions)
-            global_step += args.num_envs
-            if "final_info" in infos:
-                final = infos["final_info"]
-                recent_returns.extend(final["episode"]["r"][final["_episode"]].tolist())
+                # The done flag is the termination only: a time-limit truncation still bootstraps
+                # from the true last observation (see make_envs for the autoreset).
+                rb.add(obs=obs, actions=actions, rewards=rewards, next_obs=real_next_obs(next_obs, infos), dones=terminations)
+                obs = next_obs
 
-            # Only a termination cuts the bootstrap: a truncated episode (time limit) is
-            # bootstrapped from its true final observation.
-            rb.add(obs, actions, rewards, transition_next_obs(next_obs, infos), terminations)
-            obs = next_obs
+                if global_step > args.learning_starts:
+                    idx = rb.sample(args.batch_size)
+                    # Graphed outputs are overwritten by the next call; only the latest is read.
+                    if cudagraphs:
+                        torch.compiler.cudagraph_mark_step_begin()
+                    critic_metrics = update_critic(idx)
+                    updates += 1
+                    if updates % args.policy_frequency == 0:  # TD 3 Delayed update support
+                        for _ in range(args.policy_frequency):  # compensate for the delay by doing 'actor_update_interval' instead of 1
+                            if cudagraphs:
+                                torch.compiler.cudagraph_mark_step_begin()
+                            actor_metrics = update_actor(idx)
+                    if updates % args.target_network_frequency == 0:
+                        target_params.lerp_(q_params, args.tau)
 
-            if global_step >= args.learning_starts:
-                idx = rb.sample_index(args.batch_size)
-                if cudagraphs:
-                    torch.compiler.cudagraph_mark_step_begin()
-                critic_stats = update_critic(idx)
-                updates += 1
-                if updates % args.policy_frequency == 0:  # TD 3 Delayed update support
-                    for _ in range(args.policy_frequency):  # compensate for the delay by doing 'actor_update_interval' instead of 1
-                        if cudagraphs:
-                            torch.compiler.cudagraph_mark_step_begin()
-                        actor_stats = update_actor(idx)
-                if updates % args.target_network_frequency == 0:
-                    update_target()
-
-            if global_step < next_log:
-                continue
-            # Logging, every LOG_EVERY steps: the host syncs of this loop are all here.
-            next_log = (global_step // LOG_EVERY + 1) * LOG_EVERY
-            pbar.update(global_step - logged_step)
-            logged_step = global_step
-            losses = {}
-            if critic_stats is not None:
-                losses.update(zip(CRITIC_METRICS, critic_stats.tolist()))
-            if actor_stats is not None:
-                losses.update(zip(ACTOR_METRICS, actor_stats.tolist()))
-                if not args.autotune:
-                    del losses["alpha_loss"]
-            bad = [name for name in ("qf_loss", "actor_loss", "alpha_loss") if name in losses and not math.isfinite(losses[name])]
-            if bad:
-                stop_reason = f"non-finite {bad[0]} {losses[bad[0]]} at step {global_step}"
-                break
-            if args.save_model:
-                last_good = snapshot()
-            if warmup_s is None and updates >= args.policy_frequency:
-                warmup_s = time.perf_counter() - start_time
-                warm_step, warm_time = global_step, time.perf_counter()
-            sps = (global_step - warm_step) / max(time.perf_counter() - warm_time, 1e-9) if warmup_s is not None and global_step > warm_step else float("nan")
-            mean_return = float(np.mean(recent_returns)) if recent_returns else float("nan")
-            pbar.set_description(f"sps={sps:6.0f} return={mean_return:8.2f}")
-            if recent_returns:
-                curve.append((global_step, round(time.perf_counter() - start_time, 3), round(mean_return, 3)))
-            if wandb is not None and critic_stats is not None:
-                log = {f"losses/{k}": v for k, v in losses.items()}
-                log["losses/qf_loss"] = losses["qf_loss"] / 2.0
-                log["losses/alpha"] = losses.get("alpha", sac.alpha.item())
-                log["charts/SPS"] = sps
-                if recent_returns:
-                    log["charts/episodic_return"] = mean_return
-                wandb.log(log, step=global_step)
+                if global_step // LOG_EVERY > (global_step - args.num_envs) // LOG_EVERY or iteration == num_iterations - 1:
+                    # note: the loop's only host sync is here, at the log points
+                    metrics = [m for m in (critic_metrics, actor_metrics) if m is not None]
+                    stats = dict(zip(METRICS, torch.cat(metrics).tolist())) if metrics else {}
+                    bad = [k for k in ("losses/qf_loss", "losses/actor_loss", "losses/alpha_loss") if not math.isfinite(stats.get(k, 0.0))]
+                    if bad:
+                        run.stop_reason = f"non-finite {bad[0][len('losses/'):]} {stats[bad[0]]} at step {global_step}"
+                        break
+                    run.log(global_step, updates, stats, networks)
     except KeyboardInterrupt:
-        interrupted = True
-        print(f"notice: interrupted at step {global_step}; saving what there is", file=sys.stderr)
-    finally:
-        pbar.close()
-
-    end_time = time.perf_counter()
-    saved = None
-    if args.save_model:
-        # The state at the last log point, if the run stopped on a non-finite loss.
-        saved = save_checkpoint(checkpoint_path, last_good if stop_reason else state(), args)
-        print(f"notice: model saved to {saved}", file=sys.stderr)
-    eval_return = None
-    if args.eval_episodes > 0 and stop_reason is None:
-        eval_return = evaluate(sac.actor_detach, args, run_name, device)
+        run.interrupted = run.interrupted or signal.SIGINT
     envs.close()
-
-    summary = {
-        "script": os.path.basename(__file__),
-        "env_id": args.env_id,
-        "seed": args.seed,
-        "compile": args.compile,
-        "cudagraphs": cudagraphs,
-        "device": device.type,
-        "total_steps": global_step,
-        "wall_s": round(end_time - start_time, 3),
-        "sps": round((global_step - warm_step) / (end_time - warm_time), 1) if warmup_s is not None and global_step > warm_step else None,
-        "warmup_s": round(warmup_s, 3) if warmup_s is not None else None,
-        "episodic_return": float(np.mean(recent_returns)) if recent_returns else None,
-        "updates": updates,
-        "eval_return": eval_return,
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "interrupted": interrupted,
-        "checkpoint": saved,
-        "curve": curve[:: max(1, len(curve) // 200)],
-    }
-    if wandb is not None:
-        wandb.finish()
-    print(json.dumps(summary), flush=True)
-    if stop_reason:
-        fail(stop_reason)
-
-
-def parse_args() -> Args:
-    """tyro's command line, where a boolean is a flag (`--compile`, `--no-autotune`), also taking
-    the spelling `--autotune false` or `--autotune=False`."""
-    flags = {"--" + name.replace("_", "-") for name, kind in Args.__annotations__.items() if kind is bool}
-    argv = []
-    for arg in sys.argv[1:]:
-        flag, eq, value = arg.partition("=")
-        if not eq and argv and argv[-1] in flags and arg.lower() in ("true", "false"):
-            flag, value = argv.pop(), arg
-        if flag in flags and value.lower() in ("true", "false"):
-            arg = flag if value.lower() == "true" else "--no-" + flag[2:]
-        argv.append(arg)
-    return tyro.cli(Args, args=argv)
+    run.finish(global_step, networks, lambda: evaluate(actor_detach, args, run.name, device), device=device.type, cudagraphs=cudagraphs)
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    main(tyro.cli(Args))
