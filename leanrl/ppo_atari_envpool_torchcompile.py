@@ -5,8 +5,10 @@ the Nature CNN (Mnih et al., 2015) and the implementation details of CleanRL's
 `ppo_atari_envpool.py` (Huang et al., "The 37 Implementation Details of PPO", ICLR blog track
 2022). The games run in envpool (Weng et al., 2022) with its Atari preprocessing: 84x84 grey
 frames stacked by 4, frame skip 4, up to 30 no-ops and FIRE at reset, episodic life and clipped
-rewards for learning; the reported returns are whole games, unclipped. Same defaults and the
-same learning as the plain script `ppo_atari_envpool.py`; only the speed differs.
+rewards for learning; the reported returns are whole games, unclipped. It learns as the plain
+script `ppo_atari_envpool.py` does; what changes is where the time goes: acting runs on a
+detached copy of the weights without autograd, and the minibatch step (gather, forward,
+backward, clipping, Adam) is one function that compiles to one graph.
 
     python leanrl/ppo_atari_envpool_torchcompile.py
     python leanrl/ppo_atari_envpool_torchcompile.py --compile
@@ -19,6 +21,7 @@ import math
 import os
 import random
 import resource
+import signal
 import sys
 import time
 from collections import deque
@@ -32,6 +35,7 @@ import tqdm
 import tyro
 from tensordict import from_module
 from tensordict.nn import CudaGraphModule
+from torch.optim.adam import adam
 
 
 @dataclass
@@ -82,11 +86,11 @@ class Args:
     update_epochs: int = 4
     """the K epochs to update the policy"""
     norm_adv: bool = True
-    """Toggles advantages normalization"""
+    """Toggles advantage normalization"""
     clip_coef: float = 0.1
     """the surrogate clipping coefficient"""
     clip_vloss: bool = True
-    """Toggles whether or not to use a clipped loss for the value function, as per the paper."""
+    """Toggles whether or not to use a clipped loss for the value function, as per the paper"""
     ent_coef: float = 0.01
     """coefficient of the entropy"""
     vf_coef: float = 0.5
@@ -103,10 +107,7 @@ class Args:
     """whether to replay the hot callables as CUDA graphs (needs a CUDA device)"""
 
 
-def fail(message: str):
-    """Bad input ends the run with one line on stderr and exit status 2, never a traceback."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+ALGORITHM = "ppo_atari_envpool"
 
 
 class RecordEpisodeStatistics(gym.vector.VectorWrapper):
@@ -189,7 +190,7 @@ class RecordGameVideo(gym.vector.VectorWrapper):
         return self.env.close(**kwargs)
 
 
-def make_env(env_id, num_envs, seed, capture_video=False, video_folder=None):
+def make_envs(env_id, num_envs, seed, capture_video=False, video_folder=None):
     """An envpool batch of `num_envs` Atari games, or one clear line for what is missing."""
     try:
         import envpool
@@ -243,6 +244,35 @@ class Agent(nn.Module):
         return self.actor(hidden), self.critic(hidden).flatten()
 
 
+class Adam:
+    """torch.optim.Adam's step as a call on tensors: torch's functional `adam` (the code that
+    `optim.Adam.step()` runs) on state kept here. In a compiled update it traces into the one
+    graph, where `optimizer.step()` would break it (and, on CUDA, compile once per optimizer).
+
+    `params`: (name, parameter) pairs; their detached views are updated in place, so the modules
+    see each step. `lr` may be a 0-d tensor annealed in place. `fused`: one kernel for all the
+    tensors, for eager updates. `capturable` (CUDA): the step counts stay on the device, so a
+    step never syncs and can be captured in a CUDA graph."""
+
+    def __init__(self, params, lr, eps=1e-8, fused=False, capturable=False):
+        self.params = {name: p.detach() for name, p in params}
+        self.exp_avgs = [torch.zeros_like(p) for p in self.params.values()]
+        self.exp_avg_sqs = [torch.zeros_like(p) for p in self.params.values()]
+        self.steps = [torch.zeros((), device=p.device) for p in self.params.values()]
+        self.lr, self.eps, self.fused, self.capturable = lr, eps, fused, capturable
+
+    @torch.no_grad()
+    def step(self, grads):
+        # torch.func may return a gradient in the layout its backward made (transposed for a
+        # weight used as `w.mT`); the fused kernel reads it as if laid out like the weight.
+        grads = [grads[name].contiguous() for name in self.params]
+        adam(
+            list(self.params.values()), grads, self.exp_avgs, self.exp_avg_sqs, [], self.steps,
+            foreach=False, fused=self.fused or None, capturable=self.capturable,
+            amsgrad=False, beta1=0.9, beta2=0.999, lr=self.lr, weight_decay=0.0, eps=self.eps, maximize=False,
+        )
+
+
 def make_policy(agent):
     """Acting: one forward of the shared trunk and both heads, without autograd."""
 
@@ -281,25 +311,17 @@ def make_gae(gamma, gae_lambda):
     return gae
 
 
-def make_update(agent, lr, args, betas=(0.9, 0.999), eps=1e-5):
+def make_update(agent, optimizer, args):
     """One minibatch step as a pure function of tensors, so that torch.compile sees all of it as
     one graph (`fullgraph=True`): the minibatch gather and the uint8-to-float division, forward,
     backward (`torch.func.grad`), gradient clipping and Adam. Written with `loss.backward()` and
     `optim.Adam.step()`, the step breaks into several graphs with eager glue between them
-    (dynamo traces neither `zero_grad` nor `Tensor.backward`).
-
-    The arithmetic is torch's `clip_grad_norm_` followed by `Adam` (tests check it against
-    them); the Adam state lives in this closure and `lr` is a tensor updated in place.
+    (dynamo traces neither `zero_grad` nor `Tensor.backward`). Returns the minibatch's METRICS
+    as one tensor that stays on the device.
 
     `valid` is 0 at envpool's reset steps (see the rollout in `main`): every mean runs over the
     other steps only, the advantage normalization included."""
     clip_coef, ent_coef, vf_coef = args.clip_coef, args.ent_coef, args.vf_coef
-    norm_adv, clip_vloss, max_grad_norm = args.norm_adv, args.clip_vloss, args.max_grad_norm
-    beta1, beta2 = betas
-    params = dict(agent.named_parameters())
-    exp_avg = {k: torch.zeros_like(p) for k, p in params.items()}
-    exp_avg_sq = {k: torch.zeros_like(p) for k, p in params.items()}
-    step = torch.zeros((), device=lr.device)
 
     def loss_fn(params, mb_obs, mb_actions, mb_logprobs, mb_advantages, mb_returns, mb_values, mb_valid):
         logits, newvalue = torch.func.functional_call(agent, params, (mb_obs,))
@@ -316,7 +338,7 @@ def make_update(agent, lr, args, betas=(0.9, 0.999), eps=1e-5):
             approx_kl = (((ratio - 1) - logratio) * mb_valid).sum() / n_valid
             clipfrac = (((ratio - 1.0).abs() > clip_coef).float() * mb_valid).sum() / n_valid
 
-        if norm_adv:
+        if args.norm_adv:
             adv_mean = (mb_advantages * mb_valid).sum() / n_valid
             adv_std = (((mb_advantages - adv_mean) ** 2 * mb_valid).sum() / (n_valid - 1).clamp(min=1)).sqrt()
             mb_advantages = (mb_advantages - adv_mean) / (adv_std + 1e-8)
@@ -325,7 +347,7 @@ def make_update(agent, lr, args, betas=(0.9, 0.999), eps=1e-5):
         pg_loss2 = -mb_advantages * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)
         pg_loss = (torch.max(pg_loss1, pg_loss2) * mb_valid).sum() / n_valid
 
-        if clip_vloss:
+        if args.clip_vloss:
             v_loss_unclipped = (newvalue - mb_returns) ** 2
             v_clipped = mb_values + torch.clamp(newvalue - mb_values, -clip_coef, clip_coef)
             v_loss_clipped = (v_clipped - mb_returns) ** 2
@@ -335,63 +357,42 @@ def make_update(agent, lr, args, betas=(0.9, 0.999), eps=1e-5):
 
         entropy_loss = (entropy * mb_valid).sum() / n_valid
         loss = pg_loss - ent_coef * entropy_loss + v_loss * vf_coef
-        stats = torch.stack([v_loss, pg_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac, loss]).detach()
-        return loss, stats
+        return loss, torch.stack([v_loss, pg_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac]).detach()
 
     grad_fn = torch.func.grad(loss_fn, has_aux=True)
 
     def update(obs, actions, logprobs, advantages, returns, values, valid, idx):
         minibatch = (obs[idx], actions[idx], logprobs[idx], advantages[idx], returns[idx], values[idx], valid[idx])
-        grads, stats = grad_fn({k: p.detach() for k, p in params.items()}, *minibatch)
-
-        # nn.utils.clip_grad_norm_
+        grads, metrics = grad_fn(optimizer.params, *minibatch)
+        # nn.utils.clip_grad_norm_, on the gradients before the step
         grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
-        clip = (max_grad_norm / (grad_norm + 1e-6)).clamp(max=1.0)
-        # optim.Adam
-        step.add_(1)
-        bias_correction1 = 1 - beta1**step
-        bias_correction2 = 1 - beta2**step
-        with torch.no_grad():
-            for k, p in params.items():
-                g = grads[k] * clip
-                exp_avg[k].lerp_(g, 1 - beta1)
-                exp_avg_sq[k].mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                denom = (exp_avg_sq[k] / bias_correction2).sqrt_().add_(eps)
-                p.sub_(lr * (exp_avg[k] / bias_correction1) / denom)
-        return torch.cat([stats, grad_norm.unsqueeze(0)])
+        clip = (args.max_grad_norm / (grad_norm + 1e-6)).clamp(max=1.0)
+        optimizer.step({name: g * clip for name, g in grads.items()})
+        return metrics
 
     return update
 
 
-METRICS = ["value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac", "loss", "grad_norm"]
+METRICS = ["losses/value_loss", "losses/policy_loss", "losses/entropy", "losses/old_approx_kl", "losses/approx_kl", "losses/clipfrac"]
+CLIPFRAC, APPROX_KL = METRICS.index("losses/clipfrac"), METRICS.index("losses/approx_kl")
 
 
-def atomic_save(obj, path):
-    """Write then rename: a crash mid-save leaves the previous file whole, never a broken one."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    torch.save(obj, path + ".tmp")
-    os.replace(path + ".tmp", path)
-    return path
+def explained_variance(y_pred, y_true, valid):
+    """CleanRL's 1 - Var[y_true - y_pred] / Var[y_true] (NaN when Var[y_true] is 0) over the valid
+    steps, with masks: indexing by a boolean mask would sync the host with the device."""
+    n = valid.sum()
 
+    def var(x):
+        return ((x - (x * valid).sum() / n) ** 2 * valid).sum() / n
 
-def save_checkpoint(path, agent_state, args):
-    checkpoint = {"model": {k: v.detach().cpu() for k, v in agent_state.items()}, "args": vars(args)}
-    return atomic_save(checkpoint, path)
-
-
-def load_checkpoint(path, agent):
-    if not os.path.isfile(path):
-        fail(f"no checkpoint at {path!r}: pass --load-model with a file written by --save-model")
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    agent.load_state_dict(checkpoint["model"])
-
-
+    var_y = var(y_true)
+    return torch.where(var_y == 0, torch.nan, 1 - var(y_true - y_pred) / var_y)
 def evaluate(agent, args, run_name, device):
     """Mean whole-game return of the deterministic policy (the most likely action) over
     `eval_episodes` games. Episodic life stays on, so that envpool presses FIRE after each lost
     life (a greedy policy may never do it); a game that never ends is cut by envpool's own limit
     of 27,000 steps (108,000 frames, 30 minutes of play)."""
-    eval_envs = make_env(args.env_id, 1, args.seed + 10_000, args.capture_video, f"videos/{run_name}-eval")
+    eval_envs = make_envs(args.env_id, 1, args.seed + 10_000, args.capture_video, f"videos/{run_name}-eval")
     returns = []
     obs, _ = eval_envs.reset()
     with torch.no_grad():
@@ -402,51 +403,258 @@ def evaluate(agent, args, run_name, device):
     eval_envs.close()
     return float(np.mean(returns[: args.eval_episodes]))
 
+# ---------------------------------------------------------------- RUN
+# The same block in every LeanRL script: argument rules, the run's folder and metrics, signals,
+# checkpoints and the summary line. Nothing in it is specific to one algorithm.
+
+# One rule per flag, the same in every script that has the flag.
+COUNTS = ("num_envs", "num_steps", "num_minibatches", "update_epochs", "batch_size", "buffer_size",
+          "train_frequency", "target_network_frequency", "policy_frequency")
+RULES = {
+    "seed": (lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)"),
+    **{k: (lambda v: v >= 0, "0 or more") for k in ("total_timesteps", "learning_starts", "eval_episodes")},
+    **{k: (lambda v: v >= 1, "1 or more") for k in COUNTS},
+    **{k: (lambda v: math.isfinite(v) and v > 0, "a finite number > 0") for k in ("learning_rate", "q_lr", "policy_lr", "max_grad_norm")},
+    **{k: (lambda v: 0 < v <= 1, "a number in (0, 1]") for k in ("gamma", "tau")},
+    **{k: (lambda v: 0 <= v <= 1, "a number in [0, 1]") for k in ("gae_lambda", "start_e", "end_e", "exploration_fraction")},
+    **{k: (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
+       for k in ("clip_coef", "ent_coef", "vf_coef", "alpha", "policy_noise", "noise_clip", "exploration_noise")},
+    "target_kl": (lambda v: v is None or (math.isfinite(v) and v > 0), "a finite number > 0"),
+}
+
+
+def fail(message):
+    """Bad input ends the run with one line on stderr and exit status 2, never a traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_args(args):
+    for name, value in vars(args).items():
+        if name in RULES and not RULES[name][0](value):
+            fail(f"--{name.replace('_', '-')} {value} is out of range: use {RULES[name][1]}")
+    if args.total_timesteps == 0 and not args.load_model:
+        fail("--total-timesteps 0 trains nothing: give a budget, or --load-model to evaluate a checkpoint")
+
+
+def check_memory(nbytes, device, what):
+    """One line, before any work, for a buffer that will not fit in the device's free memory."""
+    try:
+        if device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0]
+        else:
+            free = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return
+    if nbytes > free:
+        fail(f"{what} needs {nbytes / 2**30:.1f} GiB and {device.type} has {free / 2**30:.1f} GiB free: make it smaller")
+
+
+def atomic_save(obj, path):
+    """Write then rename: a crash mid-save leaves the previous file whole, never a broken one."""
+    torch.save(obj, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def load_checkpoint(path, networks, env_id):
+    """Load a checkpoint of either script of the pair into `networks` (name -> module). Tensors
+    and plain types only (weights_only=True): a checkpoint cannot run code."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch.load raises many types for a file that is no checkpoint
+        fail(f"cannot load {path!r} ({type(e).__name__}): pass a file written by --save-model of {ALGORITHM}")
+    saved = checkpoint.get("algorithm") if isinstance(checkpoint, dict) else None
+    if saved != ALGORITHM:
+        fail(f"{path!r} is not a {ALGORITHM} checkpoint ({saved or 'unknown'}): pass one saved by {ALGORITHM}")
+    try:
+        for name, network in networks.items():
+            network.load_state_dict(checkpoint["model"][name])
+    except (KeyError, RuntimeError):
+        hint = f"pass --env-id {checkpoint['env_id']}" if checkpoint["env_id"] != env_id else "use the sizes it was trained with"
+        fail(f"{path!r} holds {ALGORITHM} networks for {checkpoint['env_id']} of other sizes: {hint}")
+
+
+class Run:
+    """Around the training loop: the folder runs/<run_name> (TensorBoard events when tensorboard
+    is installed, curve.csv, the checkpoint), wandb with --track, the progress bar, steps/s after
+    warm-up, SIGTERM handled as Ctrl-C, and the one-line JSON summary."""
+
+    def __init__(self, args, total_steps, warmup_updates=3):
+        self.args, self.warmup_updates = args, warmup_updates
+        self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        self.dir = f"runs/{self.name}"
+        self.wandb = self.writer = self.last_good = self.stop_reason = self.warmup_s = None
+        self.interrupted, self.returns = False, deque(maxlen=10)
+        self.step = self.updates = self.warm_step = 0
+        if args.track:
+            try:
+                import wandb
+            except ImportError:
+                fail("--track needs wandb: pip install wandb (or the extra leanrl[track])")
+            self.wandb = wandb
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+            self.curve = open(f"{self.dir}/curve.csv", "w")
+        except OSError as e:
+            fail(f"cannot write {self.dir} ({e.strerror}): run from a folder you can write to")
+        self.curve.write("step,seconds,episodic_return\n")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(self.dir)
+            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+        except ImportError:
+            print("notice: tensorboard is not installed; metrics go to --track only (pip install tensorboard)", file=sys.stderr)
+        if self.wandb:
+            self.wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=self.name, save_code=True)
+        self.total_steps, self.bar = total_steps, None
+        self.start = self.warm_time = time.perf_counter()
+        signal.signal(signal.SIGTERM, self.on_sigterm)
+
+    def on_sigterm(self, signum, frame):
+        """Schedulers stop jobs with SIGTERM: end the run as Ctrl-C does, saving first."""
+        self.interrupted = signal.SIGTERM
+        raise KeyboardInterrupt
+
+    def scalars(self, step, values):
+        if self.writer:
+            for key, value in values.items():
+                self.writer.add_scalar(key, value, step)
+        if self.wandb:
+            self.wandb.log(values, step=step)
+
+    def episodes(self, step, infos):
+        """CleanRL's charts, one point per finished episode, from gymnasium's episode statistics
+        (in infos["final_info"] under SAME_STEP autoreset)."""
+        info = infos.get("final_info", infos)
+        if "episode" in info:
+            done = info["_episode"]
+            for r, n in zip(info["episode"]["r"][done], info["episode"]["l"][done]):
+                self.returns.append(float(r))
+                self.scalars(step, {"charts/episodic_return": float(r), "charts/episodic_length": int(n)})
+
+    def sps(self):
+        if self.warmup_s is None or self.step <= self.warm_step:
+            return None
+        return (self.step - self.warm_step) / (time.perf_counter() - self.warm_time)
+
+    def log(self, step, updates, metrics, networks):
+        """A log point: steps/s (from the first log point with `warmup_updates` updates done, when
+        every compiled callable has run), bar, curve, metrics, and the weights as last good if
+        they are finite (with --save-model)."""
+        self.bar = self.bar or tqdm.tqdm(total=self.total_steps, file=sys.stderr)
+        self.bar.update(step - self.step)
+        self.step, self.updates, now = step, updates, time.perf_counter()
+        if self.warmup_s is None and updates >= self.warmup_updates:
+            self.warmup_s, self.warm_step, self.warm_time = now - self.start, step, now
+        sps, mean_return = self.sps(), np.mean(self.returns) if self.returns else float("nan")
+        self.bar.set_description(f"sps={sps or float('nan'):6.0f} return={mean_return:8.2f}")
+        if self.returns:
+            self.curve.write(f"{step},{now - self.start:.3f},{mean_return:.3f}\n")
+        self.scalars(step, {**metrics, "charts/SPS": sps or 0.0})
+        if self.args.save_model:
+            state = {name: {k: v.detach().clone() for k, v in net.state_dict().items()} for name, net in networks.items()}
+            if torch.stack([v.isfinite().all() for sd in state.values() for v in sd.values()]).all():
+                self.last_good = state
+
+    def finish(self, step, networks, evaluate, **fields):
+        """Save, evaluate, close and print the summary. Exit 1 after a non-finite loss, 130 after
+        Ctrl-C, 143 after SIGTERM; a checkpoint is only ever saved from finite weights."""
+        self.step = step
+        end_sps, wall_s = self.sps(), time.perf_counter() - self.start
+        if self.bar:
+            self.bar.close()
+        if self.interrupted:
+            print(f"notice: interrupted at step {self.step}; saving what there is", file=sys.stderr)
+        checkpoint, state = None, self.last_good
+        if self.args.save_model:
+            current = {name: net.state_dict() for name, net in networks.items()}
+            if self.stop_reason is None and all(v.isfinite().all() for sd in current.values() for v in sd.values()):
+                state = current
+            if state is None:
+                print("notice: the weights were never finite at a log point; no checkpoint saved", file=sys.stderr)
+            else:
+                model = {name: {k: v.detach().cpu() for k, v in sd.items()} for name, sd in state.items()}
+                saved = {"algorithm": ALGORITHM, "env_id": self.args.env_id, "args": vars(self.args), "model": model}
+                checkpoint = atomic_save(saved, f"{self.dir}/{self.args.exp_name}.pt")
+                print(f"notice: model saved to {checkpoint}", file=sys.stderr)
+        eval_return = None
+        if self.args.eval_episodes > 0 and self.stop_reason is None and not self.interrupted:
+            try:
+                eval_return = evaluate()
+            except KeyboardInterrupt:
+                self.interrupted = self.interrupted or signal.SIGINT
+        self.curve.close()
+        if self.writer:
+            self.writer.close()
+        if self.wandb:
+            self.wandb.finish()
+        summary = {
+            "script": os.path.basename(__file__), "env_id": self.args.env_id, "seed": self.args.seed,
+            "compile": getattr(self.args, "compile", False), "cudagraphs": False, **fields,
+            "total_steps": self.step, "updates": self.updates, "wall_s": wall_s, "sps": end_sps,
+            "warmup_s": self.warmup_s, "episodic_return": np.mean(self.returns) if self.returns else None,
+            "eval_return": eval_return, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "interrupted": bool(self.interrupted), "checkpoint": checkpoint, "run_dir": self.dir,
+        }
+        # Strict JSON: non-finite numbers become null.
+        summary = {k: (round(float(v), 3) if math.isfinite(v) else None) if isinstance(v, (float, np.floating)) else v for k, v in summary.items()}
+        print(json.dumps(summary), flush=True)
+        if self.stop_reason:
+            print(f"error: {self.stop_reason}", file=sys.stderr)
+            sys.exit(1)
+        if self.interrupted:
+            sys.exit(143 if self.interrupted == signal.SIGTERM else 130)
+
 
 def main(args: Args):
+    check_args(args)
     batch_size = args.num_envs * args.num_steps
-    if args.num_envs < 1 or args.num_steps < 1:
-        fail(f"--num-envs {args.num_envs} and --num-steps {args.num_steps} must both be at least 1")
-    if args.num_minibatches < 1 or batch_size % args.num_minibatches != 0:
-        fail(f"--num-minibatches {args.num_minibatches} does not divide the batch of {batch_size} (num_envs * num_steps)")
+    if args.total_timesteps < batch_size and not (args.total_timesteps == 0 and args.load_model):
+        fail(f"--total-timesteps {args.total_timesteps} is less than one batch (num_envs * num_steps = {batch_size}): give at least {batch_size}")
+    if batch_size % args.num_minibatches:
+        fail(f"--num-minibatches {args.num_minibatches} does not divide the batch of {batch_size} (num_envs * num_steps): pass a divisor of it")
     minibatch_size = batch_size // args.num_minibatches
+    if args.norm_adv and minibatch_size < 2:
+        fail(f"--num-minibatches {args.num_minibatches} makes minibatches of 1, whose advantages cannot be normalized: use at most {batch_size // 2}, or --no-norm-adv")
     num_iterations = args.total_timesteps // batch_size
-    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run = Run(args, num_iterations * batch_size)
 
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
-
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     cudagraphs = args.cudagraphs and device.type == "cuda"
     if args.cudagraphs and not cudagraphs:
         print("notice: --cudagraphs needs a CUDA device; running without CUDA graphs", file=sys.stderr)
 
-    envs = make_env(args.env_id, args.num_envs, args.seed, args.capture_video, f"videos/{run_name}")
+    envs = make_envs(args.env_id, args.num_envs, args.seed, args.capture_video, f"videos/{run.name}")
     obs_shape = envs.single_observation_space.shape
     n_act = envs.single_action_space.n
 
     agent = Agent(n_act, device=device)
     if args.load_model:
-        load_checkpoint(args.load_model, agent)
+        load_checkpoint(args.load_model, {"agent": agent}, args.env_id)
     # Acting uses a detached view of the same parameters: no autograd bookkeeping per step, and
     # every optimizer step is visible to it at once (the storages are shared).
     agent_inference = Agent(n_act, device="meta")
     from_module(agent).data.to_module(agent_inference)
-
-    # The learning rate is a tensor updated in place, so annealing never recompiles the update.
+    # The learning rate is a tensor annealed in place, so annealing never recompiles the update.
+    # Eager updates step Adam with the fused kernel; a compiled update traces its per-tensor form.
+    # On CUDA, Adam's step counts live on the device (capturable), so a step never syncs.
     lr = torch.tensor(args.learning_rate, device=device)
+    optimizer = Adam(agent.named_parameters(), lr, eps=1e-5, fused=not args.compile, capturable=device.type == "cuda")
 
     policy = make_policy(agent_inference)
     gae = make_gae(args.gamma, args.gae_lambda)
-    update = make_update(agent, lr, args)
-    # What --compile compiles, measured on this 2-core CPU with torch 2.13, one thread, medians
-    # (see README, PPO on Atari):
-    # - update: 163 ms eager, 125 ms compiled per minibatch of 256, both on channels-last frames
-    #   (see below): the gather, the uint8-to-float division, the losses, the backward's pointwise
-    #   ops, clipping and Adam fuse into a few C++ kernels around oneDNN's convolutions, which
-    #   are most of what is left. Compiled on every device;
+    update = make_update(agent, optimizer, args)
+    # What --compile compiles (2-core CPU, torch 2.13, one thread):
+    # - update: about 155 ms eager (fused Adam: 2 ms of it), 125 ms compiled per minibatch of
+    #   256, both on channels-last frames (see below): the gather, the uint8-to-float division,
+    #   the losses, the backward's pointwise ops, clipping and Adam fuse into a few C++ kernels
+    #   around oneDNN's convolutions, which are most of what is left. Compiled on every device;
     # - policy: 2.8 ms eager, 2.9 ms compiled for the 8 frames of one step (the same oneDNN
     #   convolutions, plus guards), so it is compiled on CUDA only, where launches dominate;
     # - gae: a sequential loop of num_steps steps; compiling it would unroll it, so it stays eager.
@@ -463,31 +671,16 @@ def main(args: Args):
     # minibatch: 235 -> 163 ms per minibatch eager, 181 -> 125 ms compiled.
     frame_format = torch.channels_last if device.type == "cpu" else torch.contiguous_format
 
-    wandb = None
-    if args.track:
-        import wandb
-
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=run_name, save_code=True)
-
-    checkpoint_path = f"runs/{run_name}/{args.exp_name}.pt"
-    recent_returns = deque(maxlen=10)
-    curve = []  # (env steps, seconds, mean return) at each log point, for the benchmark's plots
-    global_step, updates, iteration = 0, 0, 0
-    start_time = time.perf_counter()
-    warmup_s, warm_step, warm_time = None, 0, start_time
-    last_good = None
-    interrupted = False
-    stop_reason = None
-
+    global_step = updates = 0
     next_obs, _ = envs.reset()
     next_obs = torch.as_tensor(next_obs, device=device)
     next_done = torch.zeros(args.num_envs, device=device)
-    pbar = tqdm.tqdm(total=num_iterations * batch_size, disable=num_iterations == 0, file=sys.stderr)
     try:
         for iteration in range(1, num_iterations + 1):
+            lr_now = args.learning_rate
             if args.anneal_lr:
-                frac = 1.0 - (iteration - 1.0) / num_iterations
-                lr.copy_(frac * args.learning_rate)
+                lr_now = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
+                lr.copy_(lr_now)
 
             obs_list, done_list, act_list, logprob_list, value_list, reward_list = [], [], [], [], [], []
             with torch.no_grad():
@@ -511,7 +704,7 @@ def main(args: Args):
                     reward_list.append(reward)
                     next_obs = torch.as_tensor(next_obs_np, device=device)
                     next_done = torch.as_tensor(np.logical_or(terminations, truncations), device=device, dtype=torch.float)
-                    recent_returns.extend(infos["episode"]["r"][infos["_episode"]].tolist())
+                    run.episodes(global_step, infos)
 
                 obs_b = torch.stack(obs_list)
                 valid = 1.0 - torch.stack(done_list)
@@ -523,7 +716,7 @@ def main(args: Args):
                 next_value = policy(next_obs)[2].clone()
                 advantages, returns = gae(rewards, values, dones, next_value)
 
-            flat = (
+            batch = (
                 obs_b.reshape((batch_size,) + obs_shape).contiguous(memory_format=frame_format),
                 torch.stack(act_list).reshape(batch_size),
                 torch.stack(logprob_list).reshape(batch_size),
@@ -532,103 +725,36 @@ def main(args: Args):
                 values.reshape(batch_size),
                 valid.reshape(batch_size),
             )
-            if args.save_model:
-                last_good = {k: v.clone() for k, v in agent.state_dict().items()}
-            stats = torch.zeros(len(METRICS), device=device)
+            clipfrac_sum = torch.zeros((), device=device)
             for epoch in range(args.update_epochs):
-                order = torch.randperm(batch_size, device=device).split(minibatch_size)
-                epoch_stats = torch.zeros(len(METRICS), device=device)
-                for idx in order:
+                for idx in torch.randperm(batch_size, device=device).split(minibatch_size):
                     if cudagraphs:
                         torch.compiler.cudagraph_mark_step_begin()
-                    epoch_stats += update(*flat, idx)
+                    # The graphed output is overwritten by the next call: the last one is read.
+                    metrics = update(*batch, idx)
+                    clipfrac_sum += metrics[CLIPFRAC]
                     updates += 1
-                stats += epoch_stats
-                # note: a host sync, paid once per epoch and only when --target-kl is set
-                if args.target_kl is not None and epoch_stats[METRICS.index("approx_kl")] / len(order) > args.target_kl:
+                # note: a host sync, once per epoch and only with --target-kl
+                if args.target_kl is not None and metrics[APPROX_KL].item() > args.target_kl:
                     break
 
-            # Logging, once per iteration: the host syncs of this loop are all here.
-            stats = dict(zip(METRICS, (stats / (len(order) * (epoch + 1))).tolist()))
-            if not math.isfinite(stats["loss"]):
-                stop_reason = f"non-finite loss {stats['loss']} at step {global_step} (iteration {iteration})"
+            # As CleanRL: the last minibatch's losses, clipfrac over all minibatches.
+            explained_var = explained_variance(batch[5], batch[4], batch[6])
+            clipfrac = clipfrac_sum / ((epoch + 1) * args.num_minibatches)
+            # note: the loop's only host sync is here, once per iteration
+            *values_now, explained_var = torch.stack([*metrics[:CLIPFRAC], clipfrac, explained_var]).tolist()
+            losses = dict(zip(METRICS, values_now))
+            bad = next((k for k, v in losses.items() if not math.isfinite(v)), None)
+            if bad:
+                run.stop_reason = f"non-finite {bad[len('losses/'):]} {losses[bad]} at step {global_step}"
                 break
-            if warmup_s is None:
-                warmup_s = time.perf_counter() - start_time
-                warm_step, warm_time = global_step, time.perf_counter()
-            sps = (global_step - warm_step) / max(time.perf_counter() - warm_time, 1e-9) if global_step > warm_step else float("nan")
-            mean_return = float(np.mean(recent_returns)) if recent_returns else float("nan")
-            pbar.update(batch_size)
-            pbar.set_description(f"sps={sps:6.0f} return={mean_return:8.2f}")
-            if recent_returns:
-                curve.append((global_step, round(time.perf_counter() - start_time, 3), round(mean_return, 3)))
-            if wandb is not None:
-                keep = flat[-1].bool()
-                y_pred, y_true = flat[5][keep], flat[4][keep]
-                var_y = y_true.var()
-                explained_var = (1 - (y_true - y_pred).var() / var_y).item() if var_y > 0 else float("nan")
-                log = {f"losses/{k}": v for k, v in stats.items() if k not in ("grad_norm", "loss")}
-                log.update({"charts/learning_rate": lr.item(), "losses/explained_variance": explained_var, "charts/SPS": sps})
-                if recent_returns:
-                    log["charts/episodic_return"] = mean_return
-                wandb.log(log, step=global_step)
+            metrics = {"charts/learning_rate": lr_now, **losses, "losses/explained_variance": explained_var}
+            run.log(global_step, updates, metrics, {"agent": agent})
     except KeyboardInterrupt:
-        interrupted = True
-        print(f"notice: interrupted at step {global_step}; saving what there is", file=sys.stderr)
-    finally:
-        pbar.close()
-
-    end_time = time.perf_counter()
-    saved = None
-    if args.save_model:
-        # The state after the last finite update, if the run stopped on a non-finite loss.
-        saved = save_checkpoint(checkpoint_path, last_good if stop_reason else agent.state_dict(), args)
-        print(f"notice: model saved to {saved}", file=sys.stderr)
-    eval_return = None
-    if args.eval_episodes > 0 and stop_reason is None:
-        eval_return = evaluate(agent, args, run_name, device)
+        run.interrupted = run.interrupted or signal.SIGINT
     envs.close()
-
-    summary = {
-        "script": os.path.basename(__file__),
-        "env_id": args.env_id,
-        "seed": args.seed,
-        "compile": args.compile,
-        "cudagraphs": cudagraphs,
-        "device": device.type,
-        "total_steps": global_step,
-        "wall_s": round(end_time - start_time, 3),
-        "sps": round((global_step - warm_step) / (end_time - warm_time), 1) if global_step > warm_step else None,
-        "warmup_s": round(warmup_s, 3) if warmup_s is not None else None,
-        "episodic_return": float(np.mean(recent_returns)) if recent_returns else None,
-        "updates": updates,
-        "eval_return": eval_return,
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "interrupted": interrupted,
-        "checkpoint": saved,
-        "curve": curve[:: max(1, len(curve) // 200)],
-    }
-    if wandb is not None:
-        wandb.finish()
-    print(json.dumps(summary), flush=True)
-    if stop_reason:
-        fail(stop_reason)
-
-
-def parse_args() -> Args:
-    """tyro's command line, where a boolean is a flag (`--compile`, `--no-cuda`), also taking
-    the spelling `--cuda false` or `--cuda=False`."""
-    flags = {"--" + name.replace("_", "-") for name, kind in Args.__annotations__.items() if kind is bool}
-    argv = []
-    for arg in sys.argv[1:]:
-        flag, eq, value = arg.partition("=")
-        if not eq and argv and argv[-1] in flags and arg.lower() in ("true", "false"):
-            flag, value = argv.pop(), arg
-        if flag in flags and value.lower() in ("true", "false"):
-            arg = flag if value.lower() == "true" else "--no-" + flag[2:]
-        argv.append(arg)
-    return tyro.cli(Args, args=argv)
+    run.finish(global_step, {"agent": agent}, lambda: evaluate(agent, args, run.name, device), device=device.type, cudagraphs=cudagraphs)
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    main(tyro.cli(Args))

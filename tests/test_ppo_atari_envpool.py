@@ -1,10 +1,10 @@
-"""PPO on Atari (envpool): the compiled update against the eager one and against the plain
-script's loss with torch's clipping and Adam, the masking of envpool's reset steps, GAE
-against CleanRL's loop, the sampling of the lean policy, the whole-game returns over lives,
-and the bad-input lines. No learning test: Breakout needs hours here (the
-curve seen is in the README)."""
+"""PPO on Atari (envpool): the lean update against the plain script's update and compiled
+against eager, the masking of envpool's reset steps, GAE against CleanRL's loop, the sampling
+of the lean policy, the whole-game returns over lives, the --target-kl rule in both scripts,
+and the bad-input lines. No learning test: Breakout needs hours here."""
 
 import copy
+import types
 from pathlib import Path
 
 import gymnasium as gym
@@ -14,13 +14,19 @@ import torch
 
 from conftest import TINY, assert_one_line_error, load_script, run_script, run_without, scripts
 
-PAIR = scripts("ppo_atari_envpool*.py")
-LEAN = scripts("ppo_atari_envpool_torchcompile.py")[0]
+PLAIN_PATH, LEAN_PATH = scripts("ppo_atari_envpool.py")[0], scripts("ppo_atari_envpool_torchcompile.py")[0]
+PAIR = [PLAIN_PATH, LEAN_PATH]
+TINY_ARGS = dict(env_id="Breakout-v5", num_envs=2, num_steps=16, total_timesteps=64, num_minibatches=2, update_epochs=2)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return load_script(PLAIN_PATH)
 
 
 @pytest.fixture(scope="module")
 def lean():
-    return load_script(LEAN)
+    return load_script(LEAN_PATH)
 
 
 def make_batch(n, n_act=4, seed=0):
@@ -38,12 +44,15 @@ def make_batch(n, n_act=4, seed=0):
     )
 
 
-def agent_and_update(module, args, source=None):
-    """An agent (a copy of `source`'s parameters if given) and its own eager update."""
-    agent = module.Agent(4)
+def agent_and_update(lean, args, source=None, compiled=False):
+    """An agent (a copy of `source`'s parameters if given), its learning-rate tensor and its
+    update, with Adam as the script builds it (fused eager, unfused under torch.compile)."""
+    agent = lean.Agent(4)
     if source is not None:
         agent.load_state_dict(source.state_dict())
-    return agent, module.make_update(agent, torch.tensor(args.learning_rate), args)
+    lr = torch.tensor(args.learning_rate)
+    optimizer = lean.Adam(agent.named_parameters(), lr, eps=1e-5, fused=not compiled)
+    return agent, lr, lean.make_update(agent, optimizer, args)
 
 
 def assert_same_parameters(agent_a, agent_b, **tolerance):
@@ -51,72 +60,83 @@ def assert_same_parameters(agent_a, agent_b, **tolerance):
         torch.testing.assert_close(b, a, msg=name, **tolerance)
 
 
+# ---------------------------------------------------------------- update numerics
+
+
 def test_compiled_update_matches_eager(lean):
-    """Same parameters, same batch, same minibatches: the compiled step (fullgraph, on the
-    channels-last frames the script stores on a CPU) agrees with the eager step on NCHW frames
-    to float32 round-off. Tolerance: metrics rtol 1e-4 / atol 1e-5; parameters after two Adam
-    steps atol 1e-6 (an Adam step moves each weight by up to lr = 2.5e-4, so a wrong update
-    shows far above this)."""
+    """Same parameters, same batch, same minibatches: the compiled step (fullgraph, unfused Adam,
+    on the channels-last frames the script stores on a CPU) agrees with the eager step (fused
+    Adam, NCHW frames) to float32 round-off, with the learning rate annealed in place between
+    steps. Tolerance: metrics rtol 1e-4 / atol 1e-5; parameters after four Adam steps atol 1e-6
+    (an Adam step moves each weight by up to lr = 2.5e-4, so a wrong update shows far above)."""
     torch.manual_seed(0)
     args = lean.Args()
     batch = make_batch(64)
-    eager_agent, eager = agent_and_update(lean, args)
-    compiled_agent, compiled = agent_and_update(lean, args, eager_agent)
+    eager_agent, eager_lr, eager = agent_and_update(lean, args)
+    compiled_agent, compiled_lr, compiled = agent_and_update(lean, args, eager_agent, compiled=True)
     compiled = torch.compile(compiled, fullgraph=True)
     initial = copy.deepcopy(eager_agent.state_dict())
     batch_cl = (batch[0].contiguous(memory_format=torch.channels_last),) + batch[1:]
-    for idx in torch.randperm(64).split(32):
+    for k, idx in enumerate(torch.randperm(64).split(16)):
+        eager_lr.fill_(args.learning_rate * (1 - k / 4))
+        compiled_lr.fill_(args.learning_rate * (1 - k / 4))
         torch.testing.assert_close(compiled(*batch_cl, idx), eager(*batch, idx), rtol=1e-4, atol=1e-5)
     assert_same_parameters(eager_agent, compiled_agent, rtol=1e-4, atol=1e-6)
     for name, p in eager_agent.named_parameters():
         assert not torch.equal(p, initial[name]), name
 
 
-def reference_loss(agent, args, minibatch):
-    """The plain script's loss: torch.distributions.Categorical, and every mean over the steps
-    that are not reset steps (valid 1)."""
-    obs, actions, logprobs, advantages, returns, values, valid = minibatch
-    n = valid.sum()
-    _, newlogprob, entropy, newvalue = agent_plain_forward(agent, obs, actions)
-    ratio = (newlogprob - logprobs).exp()
-    mean = (advantages * valid).sum() / n
-    std = (((advantages - mean) ** 2 * valid).sum() / (n - 1)).sqrt()
-    advantages = (advantages - mean) / (std + 1e-8)
-    pg = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef))
-    v_clipped = values + (newvalue - values).clamp(-args.clip_coef, args.clip_coef)
-    v = 0.5 * torch.max((newvalue - returns) ** 2, (v_clipped - returns) ** 2)
-    loss = pg - args.ent_coef * entropy + args.vf_coef * v
-    return (loss * valid).sum() / n
-
-
-def agent_plain_forward(agent, obs, actions):
-    hidden = agent.network(obs / 255.0)
-    probs = torch.distributions.Categorical(logits=agent.actor(hidden))
-    return actions, probs.log_prob(actions), probs.entropy(), agent.critic(hidden).view(-1)
-
-
-def test_update_is_the_plain_loss_then_clip_grad_norm_then_adam(lean):
-    """The lean step is the plain script's: its masked loss with Categorical, `loss.backward()`,
-    `nn.utils.clip_grad_norm_` and `optim.Adam(eps=1e-5)` give the same parameters. A small
+def test_lean_update_is_the_plain_update(plain, lean):
+    """From the same parameters and minibatches, the lean step (torch.func gradient, clipping on
+    the gradients, the functional Adam with a tensor learning rate) and the plain script's step
+    (its Agent with torch.distributions.Categorical, its masked loss as written in
+    ppo_atari_envpool.py, `loss.backward()`, `nn.utils.clip_grad_norm_`, `optim.Adam(eps=1e-5)`)
+    give the same metrics and parameters, with the learning rate annealed between steps. A small
     max_grad_norm makes the clipping bite. Tolerance rtol 1e-4 (the two compute log-softmax and
-    entropy with different float32 ops: the gradient norms differ by ~7e-6 relative), atol 1e-6
-    on parameters that each Adam step moves by up to 2.5e-4."""
+    entropy with different float32 ops), atol 1e-6 on parameters that each Adam step moves by up
+    to 2.5e-4."""
     torch.manual_seed(0)
     args = lean.Args(max_grad_norm=0.05)
-    agent, update = agent_and_update(lean, args)
-    reference = copy.deepcopy(agent)
+    agent, lr, update = agent_and_update(lean, args)
+    reference = plain.Agent(4)
+    reference.load_state_dict(agent.state_dict())
     optimizer = torch.optim.Adam(reference.parameters(), lr=args.learning_rate, eps=1e-5)
     batch = make_batch(64, seed=2)
-    for idx in torch.randperm(64).split(32):
-        stats = update(*batch, idx)
-        loss = reference_loss(reference, args, [t[idx] for t in batch])
+    b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values, b_valid = batch
+    for k, mb_inds in enumerate(torch.randperm(64).split(16)):
+        lr.fill_(args.learning_rate * (1 - k / 4))
+        optimizer.param_groups[0]["lr"] = args.learning_rate * (1 - k / 4)
+        metrics = update(*batch, mb_inds)
+
+        # ppo_atari_envpool.py's minibatch step
+        mb_valid = b_valid[mb_inds]
+        n_valid = mb_valid.sum().clamp(min=1)
+        _, newlogprob, entropy, newvalue = reference.get_action_and_value(b_obs[mb_inds], b_actions[mb_inds])
+        logratio = newlogprob - b_logprobs[mb_inds]
+        ratio = logratio.exp()
+        with torch.no_grad():
+            old_approx_kl = (-logratio * mb_valid).sum() / n_valid
+            approx_kl = (((ratio - 1) - logratio) * mb_valid).sum() / n_valid
+            clipfrac = (((ratio - 1.0).abs() > args.clip_coef).float() * mb_valid).sum() / n_valid
+        mb_advantages = b_advantages[mb_inds]
+        adv_mean = (mb_advantages * mb_valid).sum() / n_valid
+        adv_std = (((mb_advantages - adv_mean) ** 2 * mb_valid).sum() / (n_valid - 1).clamp(min=1)).sqrt()
+        mb_advantages = (mb_advantages - adv_mean) / (adv_std + 1e-8)
+        pg_loss = (torch.max(-mb_advantages * ratio, -mb_advantages * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)) * mb_valid).sum() / n_valid
+        newvalue = newvalue.view(-1)
+        v_clipped = b_values[mb_inds] + (newvalue - b_values[mb_inds]).clamp(-args.clip_coef, args.clip_coef)
+        v_loss_max = torch.max((newvalue - b_returns[mb_inds]) ** 2, (v_clipped - b_returns[mb_inds]) ** 2)
+        v_loss = 0.5 * (v_loss_max * mb_valid).sum() / n_valid
+        entropy_loss = (entropy * mb_valid).sum() / n_valid
+        loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
         optimizer.zero_grad()
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), args.max_grad_norm)
         optimizer.step()
-        torch.testing.assert_close(stats[lean.METRICS.index("grad_norm")], norm, rtol=1e-4, atol=0)
-        torch.testing.assert_close(stats[lean.METRICS.index("loss")], loss.detach(), rtol=1e-4, atol=1e-6)
-    assert norm > args.max_grad_norm
+
+        expected = torch.stack([v_loss, pg_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac]).detach()
+        torch.testing.assert_close(metrics, expected, rtol=1e-4, atol=1e-6)
+        assert norm > args.max_grad_norm
     assert_same_parameters(reference, agent, rtol=1e-4, atol=1e-6)
 
 
@@ -132,7 +152,7 @@ def test_reset_steps_are_left_out_of_the_update(lean):
     idx = torch.arange(32)
 
     def step(batch, idx):
-        agent, update = agent_and_update(lean, args, init)
+        agent, _, update = agent_and_update(lean, args, init)
         return update(*batch, idx), agent
 
     masked, masked_agent = step(batch, idx)
@@ -144,6 +164,22 @@ def test_reset_steps_are_left_out_of_the_update(lean):
     for metrics, agent in ((dropped, dropped_agent), (changed, changed_agent)):
         torch.testing.assert_close(metrics, masked, rtol=1e-4, atol=1e-6)
         assert_same_parameters(masked_agent, agent, rtol=1e-4, atol=1e-6)
+
+
+def test_explained_variance_is_the_plain_scripts(lean):
+    """The lean script's masked explained variance equals the plain script's numpy lines on the
+    valid steps (rtol 1e-5, float32 sums in another order), and is NaN for constant returns."""
+    g = torch.Generator().manual_seed(4)
+    values, returns = torch.randn(256, generator=g), torch.randn(256, generator=g)
+    valid = (torch.rand(256, generator=g) > 0.2).float()
+    keep = valid.bool()
+    y_pred, y_true = values[keep].numpy(), returns[keep].numpy()
+    expected = 1 - np.var(y_true - y_pred) / np.var(y_true)
+    assert lean.explained_variance(values, returns, valid).item() == pytest.approx(expected, rel=1e-5)
+    assert lean.explained_variance(values, torch.ones(256), valid).isnan()
+
+
+# ---------------------------------------------------------------- GAE and policy
 
 
 def cleanrl_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda):
@@ -200,6 +236,9 @@ def test_policy_samples_the_categorical_it_reports(lean):
     torch.testing.assert_close(logprobs, expected.log_prob(actions))
 
 
+# ---------------------------------------------------------------- episodes
+
+
 class ScriptedAtari(gym.vector.VectorEnv):
     """Replays a script of envpool-shaped steps: (reward, terminated, truncated, lives,
     info terminated) per env. Raw rewards are 10x the clipped ones, to tell them apart."""
@@ -236,8 +275,9 @@ class ScriptedAtari(gym.vector.VectorEnv):
 @pytest.mark.parametrize("script", PAIR, ids=lambda s: s.stem)
 def test_returns_count_whole_games_over_lives(script):
     """Env 0 plays a 3-life game: lost lives end episodes (terminated) but not the game; the
-    game's raw return over all lives is reported once, at the step where envpool says the game
-    is over. Env 1 is cut by the step limit (truncated), which also ends its game."""
+    game's raw return over all lives is charted once, at the step where envpool says the game
+    is over. Env 1 is cut by the step limit (truncated), which also ends its game. The charts
+    come from the RUN block's `Run.episodes`, fed the wrapper's infos as the loop feeds them."""
     module = load_script(script)
     #        (reward, terminated, truncated, lives, game over)
     steps = [
@@ -251,19 +291,88 @@ def test_returns_count_whole_games_over_lives(script):
         [(0, False, False, 3, 0), (0, False, False, 5, 0)],  # env 0 reset step (new game)
     ]
     envs = module.RecordEpisodeStatistics(ScriptedAtari(steps))
+    charted = []
+    run = types.SimpleNamespace(returns=[], scalars=lambda step, values: charted.append((step, values)))
     envs.reset()
-    reported = []
     for t in range(len(steps)):
         *_, infos = envs.step(np.zeros(2, dtype=np.int64))
-        for i in np.flatnonzero(infos["_episode"]):
-            reported.append((t, i, float(infos["episode"]["r"][i]), int(infos["episode"]["l"][i])))
-    assert reported == [(2, 1, 20.0, 3), (6, 0, 30.0, 7)]
+        module.Run.episodes(run, t, infos)
+    assert charted == [
+        (2, {"charts/episodic_return": 20.0, "charts/episodic_length": 3}),
+        (6, {"charts/episodic_return": 30.0, "charts/episodic_length": 7}),
+    ]
+
+
+# ---------------------------------------------------------------- --target-kl
+
+# Per minibatch, the log-ratio both scripts are made to see; approx_kl = exp(c) - 1 - c. With
+# --target-kl 0.01 and 2 minibatches per epoch: iteration 1 sees 0.050, 0.001 (the epoch's mean
+# is over the target, its last minibatch is not: go on), then 0.001, 0.021 (stop after 4
+# updates); iteration 2 sees 0.001, 0.015 (the mean is under the target, the last is over: stop
+# after 2). The epoch mean would give 2 + 2 updates, no check 16.
+LOGRATIOS = [0.3, 0.045, 0.045, 0.2, 0.045, 0.17]
+TARGET_KL = 0.01
+
+
+def approx_kl(c):
+    c = torch.tensor(c)
+    return ((c.exp() - 1) - c).item()
+
+
+def test_target_kl_stops_both_scripts_at_the_same_epoch(plain, lean, monkeypatch, tmp_path, capsys):
+    """Both scripts, fed the same approx_kl per minibatch, stop at the same epoch, on the LAST
+    minibatch's approx_kl checked after each epoch, and log that last minibatch's value."""
+    monkeypatch.chdir(tmp_path)
+    args = dict(TINY_ARGS, update_epochs=4, target_kl=TARGET_KL)
+    expected = [(4, approx_kl(0.2)), (6, approx_kl(0.17))]  # (updates, logged approx_kl) per iteration
+
+    # plain: the rollout's log-probabilities are 0, each minibatch's new ones the scripted ratio
+    feed = iter(LOGRATIOS + [0.0] * 16)
+    get_action_and_value = plain.Agent.get_action_and_value
+
+    def scripted(self, x, action=None):
+        out_action, logprob, entropy, value = get_action_and_value(self, x, action)
+        logprob = torch.zeros_like(logprob) if action is None else logprob * 0 + next(feed)
+        return out_action, logprob, entropy, value
+
+    monkeypatch.setattr(plain.Agent, "get_action_and_value", scripted)
+
+    # lean: an update that returns the same approx_kl
+    lean_feed = iter(LOGRATIOS + [0.0] * 16)
+
+    def scripted_make_update(agent, optimizer, args):
+        def update(*batch):
+            metrics = torch.zeros(len(lean.METRICS))
+            metrics[lean.METRICS.index("losses/approx_kl")] = approx_kl(next(lean_feed))
+            return metrics
+
+        return update
+
+    monkeypatch.setattr(lean, "make_update", scripted_make_update)
+    for module in (plain, lean):
+        logged = []
+        log = module.Run.log
+
+        def recording_log(self, step, updates, metrics, networks, log=log, logged=logged):
+            logged.append((updates, metrics["losses/approx_kl"]))
+            return log(self, step, updates, metrics, networks)
+
+        monkeypatch.setattr(module.Run, "log", recording_log)
+        module.main(module.Args(**args))
+        assert [u for u, _ in logged] == [u for u, _ in expected], module.__name__
+        assert [kl for _, kl in logged] == pytest.approx([kl for _, kl in expected], rel=1e-5), module.__name__
+    summaries = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert len(summaries) == 2 and all('"updates": 6' in s for s in summaries), summaries
+
+
+# ---------------------------------------------------------------- bad input and features
 
 
 @pytest.mark.parametrize("script", PAIR, ids=lambda s: s.stem)
 def test_missing_envpool_is_one_line_naming_the_extra(script, workdir):
     proc = run_without("envpool", script, *TINY["ppo_atari_envpool"], cwd=workdir)
     assert_one_line_error(proc, "envpool", "pip install 'leanrl[atari]'")
+    assert proc.returncode == 2
 
 
 @pytest.mark.parametrize("env_id", ["Breakoutt-v5", "ALE/Breakout-v5", "CartPole-v1"])
@@ -272,12 +381,25 @@ def test_unknown_atari_id_is_one_line(script, env_id, workdir):
     """A typo, gymnasium's ALE spelling, and an envpool id that is no Atari game."""
     _, proc = run_script(script, *TINY["ppo_atari_envpool"], "--env-id", env_id, cwd=workdir, check=False)
     assert_one_line_error(proc, env_id, "Breakout-v5")
+    assert proc.returncode == 2
 
 
+PPO_RULES = {
+    "minibatches-do-not-divide": (["--num-minibatches", "3"], ["--num-minibatches 3", "32"]),
+    "less-than-one-batch": (["--total-timesteps", "16"], ["--total-timesteps 16", "32"]),
+    "minibatch-of-one": (["--num-minibatches", "32"], ["--num-minibatches 32", "--no-norm-adv"]),
+}
+
+
+@pytest.mark.parametrize("case", PPO_RULES)
 @pytest.mark.parametrize("script", PAIR, ids=lambda s: s.stem)
-def test_minibatches_that_do_not_divide_are_one_line(script, workdir):
-    _, proc = run_script(script, *TINY["ppo_atari_envpool"], "--num-minibatches", "3", cwd=workdir, check=False)
-    assert_one_line_error(proc, "--num-minibatches 3", "32")
+def test_ppo_rules_are_one_line(script, case, workdir):
+    """The batch rules (TINY's batch is 2 envs x 16 steps = 32), checked before any work."""
+    flags, words = PPO_RULES[case]
+    _, proc = run_script(script, *TINY["ppo_atari_envpool"], *flags, cwd=workdir, check=False)
+    assert_one_line_error(proc, *words)
+    assert proc.returncode == 2
+    assert not Path(workdir, "runs").exists()
 
 
 @pytest.mark.parametrize("script", PAIR, ids=lambda s: s.stem)
@@ -292,11 +414,12 @@ def test_capture_video_records_env_0(script, workdir):
 
 
 @pytest.mark.parametrize("script", PAIR, ids=lambda s: s.stem)
-def test_non_finite_loss_stops_with_one_line_and_keeps_last_good_weights(script, workdir):
-    """A learning rate of 1e30 blows the first update up: one line naming the step, after the
-    summary and a checkpoint of the weights from before that update."""
+def test_non_finite_loss_stops_with_one_line_and_saves_no_non_finite_weights(script, workdir):
+    """A learning rate of 1e30 blows the first iteration's updates up: exit 1 after the summary,
+    one line naming the step, and no checkpoint of non-finite weights (here none at all: the
+    weights were finite at no log point)."""
     summary, proc = run_script(script, *TINY["ppo_atari_envpool"], "--learning-rate", "1e30", "--save-model", cwd=workdir, check=False)
-    assert_one_line_error(proc, "non-finite", "at step")
-    checkpoint = torch.load(workdir / summary["checkpoint"], map_location="cpu", weights_only=False)
-    weights = [t for t in checkpoint["model"].values() if t.is_floating_point()]
-    assert weights and all(torch.isfinite(t).all() for t in weights)
+    assert proc.returncode == 1
+    assert_one_line_error(proc, "non-finite", "at step 32")
+    assert summary["checkpoint"] is None
+    assert "no checkpoint saved" in proc.stderr
