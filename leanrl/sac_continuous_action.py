@@ -573,13 +573,8 @@ def main(args: Args):
             if global_step // LOG_EVERY > (global_step - args.num_envs) // LOG_EVERY or iteration == num_iterations - 1:
                 stats = {}
                 if updates > 0:
-                    stats = {
-                        "losses/qf1_values": qf1_a_values.mean().item(),
-                        "losses/qf2_values": qf2_a_values.mean().item(),
-                        "losses/qf1_loss": qf1_loss.item(),
-                        "losses/qf2_loss": qf2_loss.item(),
-                        "losses/qf_loss": qf_loss.item() / 2.0,
-                    }
+                    stats = {"losses/qf1_values": qf1_a_values.mean().item(), "losses/qf2_values": qf2_a_values.mean().item(),
+                             "losses/qf1_loss": qf1_loss.item(), "losses/qf2_loss": qf2_loss.item(), "losses/qf_loss": qf_loss.item() / 2.0}
                 if updates >= args.policy_frequency:
                     stats.update({"losses/actor_loss": actor_loss.item(), "losses/alpha": alpha})
                     if args.autotune:

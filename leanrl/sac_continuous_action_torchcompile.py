@@ -159,9 +159,7 @@ def real_next_obs(next_obs, infos):
 
 
 class SoftQNetwork(nn.Module):
-    """The plain script's layers (and state-dict keys), so that checkpoints move between the two.
-    The lean script never calls it: it stacks the parameters of two of them and runs both at
-    once in `critic` below."""
+    """The plain script's layers and state-dict keys, for checkpoints; `critic` runs two at once."""
 
     def __init__(self, n_obs, n_act, device=None):
         super().__init__()
@@ -301,9 +299,7 @@ class Adam:
 
 
 def make_policy(actor):
-    """Acting: a sampled action. `actor` is a copy of the actor whose parameters are detached
-    views of the trained ones: no autograd bookkeeping per step, and every optimizer step is
-    visible to it at once."""
+    """Acting: a sampled action, from a copy of the actor on detached views of its parameters."""
 
     def policy(obs):
         return actor.get_action(obs)[0]
@@ -312,16 +308,11 @@ def make_policy(actor):
 
 
 def make_update(actor, target_params, alpha, q_optimizer, actor_optimizer, a_optimizer, storage, gamma):
-    """The two hot callables, on the minibatch at rows `idx` of the replay storage:
-
-    - update_critic(idx): one step of both critics;
-    - update_actor(idx): one step of the actor, and of the entropy coefficient when `a_optimizer`
-      is given (--autotune); `alpha` is a tensor it updates in place, so the critic step reads
-      the new value without a host sync and without recompiling.
-
-    Gradients come from torch.func with respect to the detached parameters that Adam updates in
-    place, so that each update is one graph under torch.compile: gather, forward, backward, Adam.
-    Each returns its metrics (METRICS, in order) as one tensor that stays on the device."""
+    """update_critic(idx): one step of both critics on the rows `idx` of the replay storage;
+    update_actor(idx): one of the actor, and of log alpha when `a_optimizer` is given (--autotune),
+    updating the tensor `alpha` in place (no host sync, no recompile). Gradients come from
+    torch.func and the steps from `Adam`, so that each update (gather, forward, backward, Adam) is
+    one graph under torch.compile. Each returns its METRICS as one tensor that stays on the device."""
     action_scale, action_bias = actor.action_scale, actor.action_bias
     target_entropy = -float(action_scale.numel())
     q_params, actor_params = q_optimizer.params, actor_optimizer.params
@@ -636,7 +627,6 @@ def main(args: Args):
     log_alpha = entropy["log_alpha"]
     if not args.autotune:
         log_alpha.fill_(math.log(args.alpha))
-    # alpha lives in a tensor that the actor step updates in place.
     alpha = log_alpha.detach().exp()
     # The twin critics as one TensorDict of stacked (2, ...) parameters (qf1 and qf2 become views
     # of its halves, for checkpoints), and their targets as its copy: the Polyak update is one lerp_.
@@ -644,7 +634,6 @@ def main(args: Args):
     q_params[0].to_module(qf1)
     q_params[1].to_module(qf2)
     target_params = q_params.clone()
-    # Acting uses a copy of the actor on detached views of its parameters (see make_policy).
     actor_detach = Actor(n_obs, n_act, action_low, action_high, device="meta")
     from_module(actor).data.to_module(actor_detach)
     # Adam: fused (one kernel for all parameters) when the updates run eager; the single-tensor
