@@ -415,10 +415,10 @@ class Run:
             if torch.stack([v.isfinite().all() for sd in state.values() for v in sd.values()]).all():
                 self.last_good = state
 
-    def finish(self, step, networks, evaluate, **fields):
+    def finish(self, step, updates, networks, evaluate, **fields):
         """Save, evaluate, close and print the summary. Exit 1 after a non-finite loss, 130 after
         Ctrl-C, 143 after SIGTERM; a checkpoint is only ever saved from finite weights."""
-        self.step = step
+        self.step, self.updates = step, updates
         end_sps, wall_s = self.sps(), time.perf_counter() - self.start
         if self.bar:
             self.bar.close()
@@ -638,7 +638,7 @@ def main(args: Args):
     except KeyboardInterrupt:
         run.interrupted = run.interrupted or signal.SIGINT
     envs.close()
-    run.finish(global_step, {"agent": agent}, lambda: evaluate(agent, args, run.name, device), device=device.type)
+    run.finish(global_step, updates, {"agent": agent}, lambda: evaluate(agent, args, run.name, device), device=device.type)
 
 
 if __name__ == "__main__":

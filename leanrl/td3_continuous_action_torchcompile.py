@@ -218,7 +218,8 @@ def first_critic(params, x):
 
 
 class ReplayBuffer:
-    """Transitions in tensors preallocated on the training device (one per field), written in
+    """Transitions in tensors allocated once on the training device (one per field; `empty`, so
+    pages are touched only as the buffer fills, and rows are never read before written), written in
     place and gathered inside the update. Steps are staged in host arrays and copied to the
     device in blocks (when the stage is full, and before each update): one copy per field per
     block, not per step. On a CPU a torch call costs microseconds, more than the copy it makes;
@@ -228,7 +229,7 @@ class ReplayBuffer:
         # fields: name -> (shape of one row, dtype)
         row_bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in fields.values())
         check_memory(buffer_size * row_bytes, torch.device(device), f"--buffer-size {buffer_size}")
-        self.storage = {k: torch.zeros(buffer_size, *shape, dtype=dtype, device=device) for k, (shape, dtype) in fields.items()}
+        self.storage = {k: torch.empty(buffer_size, *shape, dtype=dtype, device=device) for k, (shape, dtype) in fields.items()}
         self.stage = {k: np.zeros((stage_rows, *shape), dtype=torch.empty(0, dtype=dtype).numpy().dtype) for k, (shape, dtype) in fields.items()}
         self.buffer_size, self.stage_rows, self.device = buffer_size, stage_rows, device
         self.pos = self.size = self.pending = 0
@@ -522,10 +523,10 @@ class Run:
             if torch.stack([v.isfinite().all() for sd in state.values() for v in sd.values()]).all():
                 self.last_good = state
 
-    def finish(self, step, networks, evaluate, **fields):
+    def finish(self, step, updates, networks, evaluate, **fields):
         """Save, evaluate, close and print the summary. Exit 1 after a non-finite loss, 130 after
         Ctrl-C, 143 after SIGTERM; a checkpoint is only ever saved from finite weights."""
-        self.step = step
+        self.step, self.updates = step, updates
         end_sps, wall_s = self.sps(), time.perf_counter() - self.start
         if self.bar:
             self.bar.close()
@@ -697,7 +698,7 @@ def main(args: Args):
     except KeyboardInterrupt:
         run.interrupted = run.interrupted or signal.SIGINT
     envs.close()
-    run.finish(global_step, networks, lambda: evaluate(actor, args, run.name, device), device=device.type, cudagraphs=cudagraphs)
+    run.finish(global_step, updates, networks, lambda: evaluate(actor, args, run.name, device), device=device.type, cudagraphs=cudagraphs)
 
 
 if __name__ == "__main__":

@@ -112,12 +112,12 @@ TINY = {
         "--env-id", "InvertedPendulum-v5", "--total-timesteps", "256", "--num-steps", "64",
         "--num-minibatches", "2", "--update-epochs", "2",
     ],
-    # Learning starts at step 64; 237 updates; logs at steps 100, 200 and 300.
+    # Learning starts after step 64; 236 updates; logs at steps 100, 200 and 300.
     "sac_continuous_action": [
         "--env-id", "Pendulum-v1", "--total-timesteps", "300", "--learning-starts", "64",
         "--batch-size", "32", "--buffer-size", "1000",
     ],
-    # Learning starts at step 32; 208 updates; logs at steps 33, 133 and 233.
+    # Learning starts after step 32; 208 updates; logs at steps 100, 200 and 240.
     "td3_continuous_action": [
         "--env-id", "Pendulum-v1", "--total-timesteps", "240", "--learning-starts", "32",
         "--batch-size", "16", "--buffer-size", "1000",

@@ -152,7 +152,7 @@ def test_only_finite_weights_are_saved(script, tmp_path, monkeypatch, capsys):
             run.last_good = {"net": {k: torch.full_like(v, 7.0) for k, v in net.state_dict().items()}}
         run.stop_reason = stop_reason
         with pytest.raises(SystemExit) if stop_reason else contextlib.nullcontext():
-            run.finish(0, {"net": net}, None, device="cpu")
+            run.finish(0, 0, {"net": net}, None, device="cpu")
         out, err = capsys.readouterr()
         summary = json.loads(out.strip().splitlines()[-1], parse_constant=pytest.fail)
         if expected is None:
