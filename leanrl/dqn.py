@@ -373,6 +373,8 @@ class Run:
         Ctrl-C, 143 after SIGTERM; a checkpoint is only ever saved from finite weights."""
         self.step, self.updates = step, updates
         end_sps, wall_s = self.sps(), time.perf_counter() - self.start
+        # A second Ctrl-C or SIGTERM must not break the save or the summary (evaluation aside).
+        handlers = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if self.bar:
             self.bar.close()
         if self.interrupted:
@@ -391,10 +393,14 @@ class Run:
                 print(f"notice: model saved to {checkpoint}", file=sys.stderr)
         eval_return = None
         if self.args.eval_episodes > 0 and self.stop_reason is None and not self.interrupted:
+            signal.signal(signal.SIGINT, handlers[0])
+            signal.signal(signal.SIGTERM, handlers[1])
             try:
                 eval_return = evaluate()
             except KeyboardInterrupt:
                 self.interrupted = self.interrupted or signal.SIGINT
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         self.curve.close()
         if self.writer:
             self.writer.close()
