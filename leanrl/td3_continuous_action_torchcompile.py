@@ -483,11 +483,17 @@ class Run:
         raise KeyboardInterrupt
 
     def scalars(self, step, values):
-        if self.writer:
-            for key, value in values.items():
-                self.writer.add_scalar(key, value, step)
-        if self.wandb:
-            self.wandb.log(values, step=step)
+        # Ctrl-C and SIGTERM wait until the writers are done: a KeyboardInterrupt inside
+        # TensorBoard's writer can leave it so that close() hangs (tensorboard 2.21).
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            if self.writer:
+                for key, value in values.items():
+                    self.writer.add_scalar(key, value, step)
+            if self.wandb:
+                self.wandb.log(values, step=step)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
     def episodes(self, step, infos):
         """CleanRL's charts, one point per finished episode, from gymnasium's episode statistics
