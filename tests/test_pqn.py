@@ -1,0 +1,290 @@
+"""PQN pair on CartPole: the Q(lambda) returns against a plain reference loop, the epsilon
+schedule and how the lean loop follows it, truncations in the rollout, the update (lean against
+the plain script's step, compiled against eager), bad input, and learning."""
+
+import copy
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import tyro
+
+from conftest import TINY, load_script, run_script, scripts
+
+PLAIN_PATH, LEAN_PATH = scripts("pqn.py")[0], scripts("pqn_torchcompile.py")[0]
+BOTH = [PLAIN_PATH, LEAN_PATH]
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return load_script(PLAIN_PATH)
+
+
+@pytest.fixture(scope="module")
+def lean():
+    return load_script(LEAN_PATH)
+
+
+def run_in_process(module, monkeypatch, tmp_path, *argv):
+    """main at the tiny settings plus `argv`; returns the exit code (0 when it ran through)."""
+    monkeypatch.chdir(tmp_path)
+    try:
+        module.main(tyro.cli(module.Args, args=[*TINY["pqn"], *map(str, argv)]))
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+# ---------------------------------------------------------------- Q(lambda) returns
+
+
+def reference_returns(rewards, values, next_value, final_values, terminations, dones, gamma, q_lambda):
+    """Q(lambda) one env and one step at a time, from its definition: the return of step t is
+    its reward plus the discounted mix (1 - lambda) max Q(next obs) + lambda G[t + 1], where the
+    next observation is the true last one if the episode ended at t (its max Q is `final_values`,
+    0 after a termination), and only the bootstrap is left where the episode ended or the rollout
+    ends."""
+    num_steps, num_envs = rewards.shape
+    returns = np.zeros((num_steps, num_envs))
+    for env in range(num_envs):
+        for t in reversed(range(num_steps)):
+            if terminations[t, env]:
+                bootstrap = 0.0
+            elif dones[t, env]:
+                bootstrap = final_values[t, env]
+            else:
+                bootstrap = next_value[env] if t == num_steps - 1 else values[t + 1, env]
+            if dones[t, env] or t == num_steps - 1:
+                tail = bootstrap
+            else:
+                tail = (1 - q_lambda) * bootstrap + q_lambda * returns[t + 1, env]
+            returns[t, env] = rewards[t, env] + gamma * tail
+    return returns
+
+
+def rollout_case(num_steps=16, num_envs=3, seed=0):
+    """A rollout with episode ends inside it: env 0 terminates at step 5 and is truncated at step
+    11, env 1 terminates at the last step, env 2 never ends (it bootstraps from next_value)."""
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.rand(num_steps, num_envs, generator=g) + 0.5
+    values = torch.randn(num_steps, num_envs, generator=g) * 3
+    next_value = torch.randn(num_envs, generator=g) * 3
+    terminations, dones = torch.zeros(num_steps, num_envs), torch.zeros(num_steps, num_envs)
+    final_values = torch.zeros(num_steps, num_envs)
+    terminations[5, 0] = dones[5, 0] = 1
+    dones[11, 0], final_values[11, 0] = 1, 7.5
+    terminations[-1, 1] = dones[-1, 1] = 1
+    return rewards, values, next_value, final_values, terminations, dones
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_returns_match_the_reference_loop(lean, compiled):
+    """Tolerance: float32 against float64, over 16 steps of sums of terms below 10: 1e-5."""
+    case = rollout_case()
+    returns_fn = lean.make_returns(0.99, 0.65)
+    if compiled:
+        returns_fn = torch.compile(returns_fn)
+    expected = reference_returns(*[x.double().numpy() for x in case], 0.99, 0.65)
+    torch.testing.assert_close(returns_fn(*case).double(), torch.from_numpy(expected), rtol=0, atol=1e-5)
+
+
+def test_returns_at_lambda_zero_and_one(lean):
+    """Independent of the reference loop: lambda 0 is one-step Q-learning, lambda 1 the
+    discounted sum of rewards with the bootstrap at the rollout's end."""
+    rewards, values, next_value, final_values, terminations, dones = rollout_case()
+    env = 2  # never ends
+    one_step = lean.make_returns(0.9, 0.0)(rewards, values, next_value, final_values, terminations, dones)
+    expected = rewards[:, env] + 0.9 * torch.cat([values[1:, env], next_value[env:env + 1]])
+    torch.testing.assert_close(one_step[:, env], expected)
+    monte_carlo = lean.make_returns(0.9, 1.0)(rewards, values, next_value, final_values, terminations, dones)
+    discounts = 0.9 ** torch.arange(16.0)
+    torch.testing.assert_close(monte_carlo[0, env], (discounts * rewards[:, env]).sum() + 0.9**16 * next_value[env])
+    # env 0: the terminated episode's last step gets its reward only; the truncated one bootstraps
+    torch.testing.assert_close(monte_carlo[5, 0], rewards[5, 0])
+    torch.testing.assert_close(monte_carlo[11, 0], rewards[11, 0] + 0.9 * 7.5)
+
+
+# ---------------------------------------------------------------- epsilon schedule
+
+
+def test_epsilon_schedule_end_points_in_both_scripts(plain, lean):
+    """CleanRL's defaults: 1.0 to 0.05 over half of 500k steps, then flat."""
+    duration = 0.5 * 500_000
+    for t, value in {0: 1.0, 125_000: 0.525, 250_000: 0.05, 500_000: 0.05}.items():
+        assert plain.linear_schedule(1.0, 0.05, duration, t) == pytest.approx(value, abs=1e-12)
+        assert lean.linear_schedule(1.0, 0.05, duration, t) == pytest.approx(value, abs=1e-12)
+    assert plain.linear_schedule(1.0, 0.05, 0, 0) == lean.linear_schedule(1.0, 0.05, 0, 0) == 0.05
+
+
+def test_lean_policy_reads_the_scheduled_epsilon_at_every_step(lean, monkeypatch, tmp_path):
+    """The policy's 0-d epsilon is the schedule's value at each step, as the plain loop asks it
+    (after counting the step's env steps), from 1.0 down to end_e."""
+    seen = []
+    make_policy = lean.make_policy
+
+    def recording_make_policy(q_network, epsilon, n_act):
+        policy = make_policy(q_network, epsilon, n_act)
+
+        def recording_policy(obs):
+            seen.append(epsilon.item())
+            return policy(obs)
+
+        return recording_policy
+
+    monkeypatch.setattr(lean, "make_policy", recording_make_policy)
+    assert run_in_process(lean, monkeypatch, tmp_path, "--exploration-fraction", "0.5") == 0
+    # 4 rollouts of 64 steps of 2 envs, each followed by one call for next_value
+    acting = [e for i, e in enumerate(seen) if i % 65 != 64]
+    expected = [lean.linear_schedule(1.0, 0.05, 256, 2 * (k + 1)) for k in range(256)]
+    assert acting == pytest.approx(expected, abs=1e-6)
+    assert acting[-1] == pytest.approx(0.05)
+
+
+# ---------------------------------------------------------------- truncations
+
+SHORT_ID = "LeanRLTest/PQNCartPoleShort-v0"
+
+
+def test_truncations_bootstrap_from_the_true_last_observation(lean, monkeypatch, tmp_path):
+    """With a 20-step limit, random play both terminates and truncates: the returns get max Q of
+    the true last observation where (and only where) a time limit cut the episode."""
+    if SHORT_ID not in gym.registry:
+        gym.register(SHORT_ID, entry_point="gymnasium.envs.classic_control.cartpole:CartPoleEnv", max_episode_steps=20)
+    seen = []
+    make_returns = lean.make_returns
+
+    def recording_make_returns(gamma, q_lambda):
+        returns_fn = make_returns(gamma, q_lambda)
+
+        def recording(*args):
+            seen.append([a.clone() for a in args])
+            return returns_fn(*args)
+
+        return recording
+
+    monkeypatch.setattr(lean, "make_returns", recording_make_returns)
+    assert run_in_process(lean, monkeypatch, tmp_path, "--env-id", SHORT_ID) == 0
+    _, _, _, final_values, terminations, dones = (torch.stack(x) for x in zip(*seen))
+    truncated = dones.bool() & ~terminations.bool()
+    assert truncated.any() and terminations.any()
+    assert (final_values[truncated] != 0).all() and (final_values[~truncated] == 0).all()
+
+
+def test_plain_script_runs_through_truncations(plain, monkeypatch, tmp_path):
+    assert run_in_process(plain, monkeypatch, tmp_path, "--env-id", SHORT_ID) == 0
+
+
+# ---------------------------------------------------------------- update numerics
+
+
+def update_case(lean, seed=0, n=256):
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    batch = (torch.randn(n, 4, generator=g), torch.randint(0, 2, (n,), generator=g), 10 * torch.rand(n, generator=g))
+    minibatches = [idx for _ in range(2) for idx in torch.randperm(n, generator=g).split(n // 4)]
+    return lean.QNetwork(4, 2), batch, minibatches
+
+
+def test_lean_update_is_the_plain_update(plain, lean):
+    """From the same parameters and minibatches, the lean step (torch.func gradient, clipping on
+    the gradients dict, the functional RAdam with a 0-d learning rate annealed in place) and the
+    plain script's step (`F.mse_loss`, `loss.backward()`, `nn.utils.clip_grad_norm_`,
+    `optim.RAdam`) give the same losses and parameters. A max_grad_norm of 1 makes the clipping
+    bite. Tolerance: rtol 1e-5, atol 1e-6 (the two sum the gradients in another order; each step
+    moves a weight by up to lr = 2.5e-4)."""
+    q_network, (b_obs, b_actions, b_returns), minibatches = update_case(lean)
+    reference = plain.QNetwork(4, 2)
+    reference.load_state_dict(q_network.state_dict())
+    lr = torch.tensor(2.5e-4)
+    update = lean.make_update(q_network, lean.RAdam(q_network.named_parameters(), lr), max_grad_norm=1.0)
+    optimizer = torch.optim.RAdam(reference.parameters(), lr=2.5e-4)
+    clipped = 0
+    for k, mb_inds in enumerate(minibatches):
+        lr.fill_(2.5e-4 * (1 - k / 8))
+        optimizer.param_groups[0]["lr"] = 2.5e-4 * (1 - k / 8)
+        metrics = update(b_obs, b_actions, b_returns, mb_inds)
+        # pqn.py's minibatch step
+        old_val = reference(b_obs[mb_inds]).gather(1, b_actions[mb_inds].unsqueeze(1)).squeeze(1)
+        loss = F.mse_loss(b_returns[mb_inds], old_val)
+        optimizer.zero_grad()
+        loss.backward()
+        clipped += torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0) > 1.0
+        optimizer.step()
+        torch.testing.assert_close(metrics, torch.stack([loss, old_val.mean()]).detach(), rtol=1e-5, atol=1e-6)
+    assert clipped > 0
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(q_network.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_compiled_update_matches_eager(lean):
+    """Compiled as the script compiles it (fullgraph, RAdam capturable, whose rectification is a
+    torch.where) against eager (RAdam's Python branch), from the same parameters on the same 8
+    minibatches, the learning rate annealed in place between steps. Tolerance: rtol 1e-5, atol
+    1e-6 on metrics and parameters (float32; the graph fuses and reorders reductions)."""
+    q_eager, batch, minibatches = update_case(lean)
+    q_compiled = copy.deepcopy(q_eager)
+    initial = copy.deepcopy(q_eager.state_dict())
+    lr_eager, lr_compiled = torch.tensor(2.5e-4), torch.tensor(2.5e-4)
+    eager = lean.make_update(q_eager, lean.RAdam(q_eager.named_parameters(), lr_eager), 10.0)
+    compiled = lean.make_update(q_compiled, lean.RAdam(q_compiled.named_parameters(), lr_compiled, capturable=True), 10.0)
+    compiled = torch.compile(compiled, fullgraph=True)
+    for k, idx in enumerate(minibatches):
+        lr_eager.fill_(2.5e-4 * (1 - k / 8))
+        lr_compiled.fill_(2.5e-4 * (1 - k / 8))
+        torch.testing.assert_close(compiled(*batch, idx), eager(*batch, idx), rtol=1e-5, atol=1e-6)
+    for name, value in q_eager.state_dict().items():
+        torch.testing.assert_close(q_compiled.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
+        if name.endswith("weight"):
+            assert not torch.equal(value, initial[name]), name
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--env-id", "Pendulum-v1"], ["Pendulum-v1", "Box action space", "discrete"]),
+        (["--num-minibatches", "3"], ["--num-minibatches 3", "128"]),
+        (["--total-timesteps", "100"], ["--total-timesteps 100", "128"]),
+        (["--q-lambda", "1.5"], ["--q-lambda 1.5"]),
+    ],
+    ids=["continuous", "minibatches", "budget", "lambda"],
+)
+def test_bad_input_is_one_line(path, argv, words, plain, lean, monkeypatch, tmp_path, capsys):
+    module = plain if path == PLAIN_PATH else lean
+    assert run_in_process(module, monkeypatch, tmp_path, *argv) == 2
+    out, err = capsys.readouterr()
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err and out.strip() == "", err
+    for word in words:
+        assert word.lower() in errors[0].lower(), errors[0]
+
+
+def test_a_checkpoint_moves_across_the_pair(workdir):
+    """The lean script's checkpoint loads into the plain script, and the other way round."""
+    for source, target in ((LEAN_PATH, PLAIN_PATH), (PLAIN_PATH, LEAN_PATH)):
+        summary, _ = run_script(source, *TINY["pqn"], "--save-model", cwd=workdir)
+        loaded, _ = run_script(target, "--total-timesteps", 0, "--load-model", summary["checkpoint"], "--eval-episodes", 2, cwd=workdir)
+        assert loaded["eval_return"] > 0
+
+
+# ---------------------------------------------------------------- learning
+
+# CleanRL's defaults (500k steps). The mean return of the last 10 training episodes (500 is the
+# maximum, a random policy gets about 22) must reach LEARNING_THRESHOLD.
+LEARNING_SEEDS = [1]
+LEARNING_THRESHOLD = 475.0
+
+
+@pytest.mark.learning
+@pytest.mark.parametrize("mode", [[], ["--compile"]], ids=["plain", "lean-compile"])
+def test_cartpole_learns(mode, workdir):
+    path = LEAN_PATH if mode else PLAIN_PATH
+    for seed in LEARNING_SEEDS:
+        summary, _ = run_script(path, *mode, "--seed", seed, cwd=workdir, timeout=300)
+        assert summary["total_steps"] == 499_712
+        assert summary["episodic_return"] >= LEARNING_THRESHOLD, (seed, summary)
