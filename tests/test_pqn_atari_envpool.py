@@ -1,0 +1,205 @@
+"""PQN on Atari (envpool): the Q(lambda) returns against a plain reference loop with envpool's
+reset steps, the lean update against the plain script's step and compiled against eager, the
+masking of reset steps, the epsilon schedule, and the bad-input lines. No learning test:
+Breakout needs hours here (the CartPole pair has one)."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import tyro
+
+from conftest import TINY, load_script, scripts
+
+PLAIN_PATH, LEAN_PATH = scripts("pqn_atari_envpool.py")[0], scripts("pqn_atari_envpool_torchcompile.py")[0]
+BOTH = [PLAIN_PATH, LEAN_PATH]
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return load_script(PLAIN_PATH)
+
+
+@pytest.fixture(scope="module")
+def lean():
+    return load_script(LEAN_PATH)
+
+
+def run_in_process(module, monkeypatch, tmp_path, *argv):
+    monkeypatch.chdir(tmp_path)
+    try:
+        module.main(tyro.cli(module.Args, args=[*TINY["pqn_atari_envpool"], *map(str, argv)]))
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+# ---------------------------------------------------------------- Q(lambda) returns
+
+
+def reference_returns(rewards, values, next_value, terminations, dones, gamma, q_lambda):
+    """Q(lambda) one env and one step at a time under envpool's autoreset: where an episode
+    ended at t, the next frame (values[t + 1]) is still that episode's last one, so a truncation
+    bootstraps from it; only the bootstrap is left where the episode ended or the rollout ends."""
+    num_steps, num_envs = rewards.shape
+    returns = np.zeros((num_steps, num_envs))
+    for env in range(num_envs):
+        for t in reversed(range(num_steps)):
+            next_q = next_value[env] if t == num_steps - 1 else values[t + 1, env]
+            bootstrap = 0.0 if terminations[t, env] else next_q
+            if dones[t, env] or t == num_steps - 1:
+                tail = bootstrap
+            else:
+                tail = (1 - q_lambda) * bootstrap + q_lambda * returns[t + 1, env]
+            returns[t, env] = rewards[t, env] + gamma * tail
+    return returns
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_returns_match_the_reference_loop(lean, compiled):
+    """A lost life at step 4 of env 0 (step 5 is envpool's reset step), a truncation at step 9 of
+    env 1, a termination at the rollout's last step in env 2, env 3 never ends. Tolerance 1e-5
+    (float32 against float64)."""
+    g = torch.Generator().manual_seed(0)
+    num_steps, num_envs = 16, 4
+    rewards = torch.randint(0, 2, (num_steps, num_envs), generator=g).float()
+    values = torch.randn(num_steps, num_envs, generator=g) * 3
+    next_value = torch.randn(num_envs, generator=g)
+    terminations, dones = torch.zeros(num_steps, num_envs), torch.zeros(num_steps, num_envs)
+    terminations[4, 0] = dones[4, 0] = 1
+    dones[9, 1] = 1
+    terminations[-1, 2] = dones[-1, 2] = 1
+    case = (rewards, values, next_value, terminations, dones)
+    returns_fn = lean.make_returns(0.99, 0.65)
+    if compiled:
+        returns_fn = torch.compile(returns_fn)
+    expected = reference_returns(*[x.double().numpy() for x in case], 0.99, 0.65)
+    returns = returns_fn(*case)
+    torch.testing.assert_close(returns.double(), torch.from_numpy(expected), rtol=0, atol=1e-5)
+    assert returns[4, 0] == rewards[4, 0]
+    torch.testing.assert_close(returns[9, 1], rewards[9, 1] + 0.99 * values[10, 1])
+
+
+# ---------------------------------------------------------------- epsilon
+
+
+def test_epsilon_schedule_end_points_in_both_scripts(plain, lean):
+    """CleanRL's Atari defaults: 1.0 to 0.01 over 10% of 10M steps, then flat."""
+    for t, value in {0: 1.0, 500_000: 0.505, 1_000_000: 0.01, 10_000_000: 0.01}.items():
+        assert plain.linear_schedule(1.0, 0.01, 1_000_000, t) == pytest.approx(value, abs=1e-12)
+        assert lean.linear_schedule(1.0, 0.01, 1_000_000, t) == pytest.approx(value, abs=1e-12)
+    assert plain.Args().end_e == lean.Args().end_e == 0.01
+    assert plain.Args().exploration_fraction == lean.Args().exploration_fraction == 0.1
+
+
+# ---------------------------------------------------------------- update numerics
+
+
+def make_batch(n, n_act=4, seed=0):
+    """A flat rollout batch as the lean script feeds its update; about 1 step in 8 is a reset
+    step (valid 0)."""
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randint(0, 256, (n, 4, 84, 84), dtype=torch.uint8, generator=g),
+        torch.randint(0, n_act, (n,), generator=g),
+        3 * torch.rand(n, generator=g),
+        (torch.rand(n, generator=g) > 0.125).float(),
+    )
+
+
+def test_lean_update_is_the_plain_update(plain, lean):
+    """From the same parameters and minibatches: the lean step (torch.func, clipping on the
+    gradients, functional RAdam with a 0-d learning rate annealed in place) and the plain
+    script's step as written in pqn_atari_envpool.py (masked squared error, `loss.backward()`,
+    `nn.utils.clip_grad_norm_`, `optim.RAdam`). A max_grad_norm of 0.5 makes the clipping bite.
+    Tolerance rtol 1e-4, atol 1e-6 (convolutions sum in another order for the two)."""
+    torch.manual_seed(0)
+    q_network = lean.QNetwork(4)
+    reference = plain.QNetwork(4)
+    reference.load_state_dict(q_network.state_dict())
+    lr = torch.tensor(2.5e-4)
+    update = lean.make_update(q_network, lean.RAdam(q_network.named_parameters(), lr), max_grad_norm=0.5)
+    optimizer = torch.optim.RAdam(reference.parameters(), lr=2.5e-4)
+    b_obs, b_actions, b_returns, b_valid = batch = make_batch(64, seed=2)
+    clipped = 0
+    for k, mb_inds in enumerate(torch.randperm(64).split(16)):
+        lr.fill_(2.5e-4 * (1 - k / 4))
+        optimizer.param_groups[0]["lr"] = 2.5e-4 * (1 - k / 4)
+        metrics = update(*batch, mb_inds)
+        mb_valid = b_valid[mb_inds]
+        n_valid = mb_valid.sum().clamp(min=1)
+        old_val = reference(b_obs[mb_inds]).gather(1, b_actions[mb_inds].unsqueeze(1)).squeeze(1)
+        loss = ((b_returns[mb_inds] - old_val) ** 2 * mb_valid).sum() / n_valid
+        optimizer.zero_grad()
+        loss.backward()
+        clipped += torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5) > 0.5
+        optimizer.step()
+        expected = torch.stack([loss, (old_val * mb_valid).sum() / n_valid]).detach()
+        torch.testing.assert_close(metrics, expected, rtol=1e-4, atol=1e-6)
+    assert clipped > 0
+    for (name, a), (_, b) in zip(reference.named_parameters(), q_network.named_parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_reset_steps_are_left_out_of_the_update(lean):
+    """A minibatch with reset steps (valid 0) makes the same step as the same minibatch with
+    them dropped, whatever the reset steps hold."""
+    torch.manual_seed(0)
+    init = lean.QNetwork(4)
+    batch = make_batch(32, seed=1)
+    valid = batch[-1].bool()
+    assert 0 < valid.sum() < 32
+
+    def step(batch, idx):
+        q_network = copy.deepcopy(init)
+        return lean.make_update(q_network, lean.RAdam(q_network.named_parameters(), 2.5e-4), 10.0)(*batch, idx), q_network
+
+    masked, masked_net = step(batch, torch.arange(32))
+    garbage = [t.clone() for t in batch]
+    garbage[2][~valid] = 1e3
+    for metrics, net in (step(batch[:-1] + (torch.ones(32),), torch.arange(32)[valid]), step(tuple(garbage), torch.arange(32))):
+        torch.testing.assert_close(metrics, masked, rtol=1e-4, atol=1e-6)
+        for (name, a), (_, b) in zip(masked_net.named_parameters(), net.named_parameters()):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_compiled_update_matches_eager(lean):
+    """The update as --compile builds it on CUDA (fullgraph, RAdam capturable), run here on a
+    CPU, against eager from the same parameters on 4 minibatches. Tolerance rtol 1e-4, atol 1e-6
+    (float32 convolutions in another order)."""
+    torch.manual_seed(0)
+    q_eager = lean.QNetwork(4)
+    q_compiled = copy.deepcopy(q_eager)
+    eager = lean.make_update(q_eager, lean.RAdam(q_eager.named_parameters(), torch.tensor(2.5e-4)), 10.0)
+    compiled = lean.make_update(q_compiled, lean.RAdam(q_compiled.named_parameters(), torch.tensor(2.5e-4), capturable=True), 10.0)
+    compiled = torch.compile(compiled, fullgraph=True)
+    batch = make_batch(32, seed=3)
+    for idx in torch.randperm(32).split(8):
+        torch.testing.assert_close(compiled(*batch, idx), eager(*batch, idx), rtol=1e-4, atol=1e-6)
+    for (name, a), (_, b) in zip(q_eager.named_parameters(), q_compiled.named_parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=name)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--env-id", "Pendulum-v1"], ["Pendulum-v1", "Atari"]),
+        (["--num-minibatches", "3"], ["--num-minibatches 3", "32"]),
+        (["--total-timesteps", "20"], ["--total-timesteps 20", "32"]),
+        (["--q-lambda", "-0.1"], ["--q-lambda -0.1"]),
+    ],
+    ids=["not-atari", "minibatches", "budget", "lambda"],
+)
+def test_bad_input_is_one_line(path, argv, words, plain, lean, monkeypatch, tmp_path, capsys):
+    module = plain if path == PLAIN_PATH else lean
+    assert run_in_process(module, monkeypatch, tmp_path, *argv) == 2
+    out, err = capsys.readouterr()
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err and out.strip() == "", err
+    for word in words:
+        assert word.lower() in errors[0].lower(), errors[0]
