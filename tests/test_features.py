@@ -2,6 +2,7 @@
 evaluation, and offline tracking. Signals and bad input are in test_faults.py."""
 
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -84,7 +85,7 @@ def test_untracked_run_never_imports_wandb(script, workdir):
     )
     proc = subprocess.run(
         [sys.executable, "-c", code, str(script), *TINY[family(script)]],
-        cwd=workdir, capture_output=True, text=True, timeout=600,
+        cwd=workdir, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
