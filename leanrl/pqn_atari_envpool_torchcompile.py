@@ -630,8 +630,9 @@ def main(args: Args):
     update = make_update(q_network, optimizer, args.max_grad_norm)
     # What --compile compiles (2-core CPU, torch 2.13, one thread, best of 4 interleaved runs):
     # - update: 254-269 ms eager, 258-282 ms compiled per minibatch of 256 (NCHW or channels-last
-    #   frames): oneDNN's convolutions and their LayerNorms are nearly all of it, and inductor
-    #   does not beat them, so it is compiled on CUDA only, where launches dominate;
+    #   frames): oneDNN's convolutions (70% of an eager update's CPU time in torch.profiler) and
+    #   matmuls (11%) are the floor, which inductor does not lower, so it is compiled on CUDA
+    #   only, where launches dominate;
     # - policy: 2.5 ms eager, 3.1 ms compiled for the 8 frame stacks of one step: CUDA only;
     # - returns: about 0.6 ms eager, 0.1 ms compiled per rollout (the recursion unrolls into one
     #   kernel), compiled on every device.
