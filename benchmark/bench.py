@@ -56,6 +56,16 @@ FAMILIES = {
         env_id="Breakout-v5", num_envs=8, envpool=True, budget=dict(full=12288, quick=2048, tiny=64),
         tiny_args=["--num-envs", "2", "--num-steps", "16"],
     ),
+    # PQN: iterations of 4 x 128 steps, the first of them warm-up
+    "pqn": dict(
+        env_id="CartPole-v1", num_envs=4, budget=dict(full=102400, quick=20480, tiny=512),
+        tiny_args=["--num-envs", "2", "--num-steps", "64", "--num-minibatches", "2", "--update-epochs", "2"],
+    ),
+    # Atari PQN: iterations of 8 x 128 steps, the first of them warm-up
+    "pqn_atari_envpool": dict(
+        env_id="Breakout-v5", num_envs=8, envpool=True, budget=dict(full=12288, quick=2048, tiny=64),
+        tiny_args=["--num-envs", "2", "--num-steps", "16"],
+    ),
 }
 
 

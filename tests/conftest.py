@@ -133,4 +133,13 @@ TINY = {
         "--env-id", "Breakout-v5", "--num-envs", "2", "--num-steps", "16", "--total-timesteps", "64",
         "--num-minibatches", "2", "--update-epochs", "2",
     ],
+    # 2 envs, 64 steps: 4 iterations of 4 minibatch updates, a log point after each.
+    "pqn": [
+        "--total-timesteps", "512", "--num-envs", "2", "--num-steps", "64", "--num-minibatches", "2", "--update-epochs", "2",
+    ],
+    # Atari: 2 envs, 16 steps, 2 iterations (4 minibatch updates each).
+    "pqn_atari_envpool": [
+        "--env-id", "Breakout-v5", "--num-envs", "2", "--num-steps", "16", "--total-timesteps", "64",
+        "--num-minibatches", "2", "--update-epochs", "2",
+    ],
 }
