@@ -341,7 +341,7 @@ class Run:
         self.args, self.warmup_updates = args, warmup_updates
         self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
         self.dir = f"runs/{self.name}"
-        self.wandb = self.writer = self.last_good = self.stop_reason = self.warmup_s = None
+        self.wandb = self.writer = self.last_good = self.stop_reason = self.warmup_s = self.last_sps = None
         self.interrupted, self.returns = False, deque(maxlen=10)
         self.step = self.updates = self.warm_step = 0
         if args.track:
@@ -411,7 +411,9 @@ class Run:
         self.step, self.updates, now = step, updates, time.perf_counter()
         if self.warmup_s is None and updates >= self.warmup_updates:
             self.warmup_s, self.warm_step, self.warm_time = now - self.start, step, now
-        sps, mean_return = self.sps(), np.mean(self.returns) if self.returns else float("nan")
+        # The summary's steps/s is the last log point's: closing envs and saving are not training.
+        sps = self.last_sps = self.sps()
+        mean_return = np.mean(self.returns) if self.returns else float("nan")
         self.bar.set_description(f"sps={sps or float('nan'):6.0f} return={mean_return:8.2f}")
         if self.returns:
             self.curve.write(f"{step},{now - self.start:.3f},{mean_return:.3f}\n")
@@ -425,7 +427,7 @@ class Run:
         """Save, evaluate, close and print the summary. Exit 1 after a non-finite loss, 130 after
         Ctrl-C, 143 after SIGTERM; a checkpoint is only ever saved from finite weights."""
         self.step, self.updates = step, updates
-        end_sps, wall_s = self.sps(), time.perf_counter() - self.start
+        end_sps, wall_s = self.last_sps, time.perf_counter() - self.start
         # A second Ctrl-C or SIGTERM must not break the save or the summary (evaluation aside).
         handlers = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if self.bar:

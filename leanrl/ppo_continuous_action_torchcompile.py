@@ -436,7 +436,7 @@ class Run:
         self.args, self.warmup_updates = args, warmup_updates
         self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
         self.dir = f"runs/{self.name}"
-        self.wandb = self.writer = self.last_good = self.stop_reason = self.warmup_s = None
+        self.wandb = self.writer = self.last_good = self.stop_reason = self.warmup_s = self.last_sps = None
         self.interrupted, self.returns = False, deque(maxlen=10)
         self.step = self.updates = self.warm_step = 0
         if args.track:
@@ -506,7 +506,9 @@ class Run:
         self.step, self.updates, now = step, updates, time.perf_counter()
         if self.warmup_s is None and updates >= self.warmup_updates:
             self.warmup_s, self.warm_step, self.warm_time = now - self.start, step, now
-        sps, mean_return = self.sps(), np.mean(self.returns) if self.returns else float("nan")
+        # The summary's steps/s is the last log point's: closing envs and saving are not training.
+        sps = self.last_sps = self.sps()
+        mean_return = np.mean(self.returns) if self.returns else float("nan")
         self.bar.set_description(f"sps={sps or float('nan'):6.0f} return={mean_return:8.2f}")
         if self.returns:
             self.curve.write(f"{step},{now - self.start:.3f},{mean_return:.3f}\n")
@@ -520,7 +522,7 @@ class Run:
         """Save, evaluate, close and print the summary. Exit 1 after a non-finite loss, 130 after
         Ctrl-C, 143 after SIGTERM; a checkpoint is only ever saved from finite weights."""
         self.step, self.updates = step, updates
-        end_sps, wall_s = self.sps(), time.perf_counter() - self.start
+        end_sps, wall_s = self.last_sps, time.perf_counter() - self.start
         # A second Ctrl-C or SIGTERM must not break the save or the summary (evaluation aside).
         handlers = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if self.bar:
@@ -616,14 +618,15 @@ def main(args: Args):
     gae = make_gae(args.gamma, args.gae_lambda)
     update = make_update(agent, optimizer, args)
     # What --compile compiles (2-core CPU, torch 2.13, one thread, minibatch 64):
-    # - update: 2.0 ms eager, 0.32 ms compiled (one graph), 0.27 ms with inductor's C++ wrapper,
-    #   which drops the Python glue between kernels (CPU only). Compiled on every device;
+    # - update: 2.0 ms eager, 0.32 ms compiled (one graph); inductor's C++ wrapper measured
+    #   0.26-0.27 ms alone but no faster in whole runs, and adds 7 s to a cold compile. Compiled
+    #   on every device;
     # - policy: 0.15 ms eager, 0.20 ms compiled for one observation on a CPU (guards cost more
     #   than fusion saves), so it is compiled on CUDA only, where launches dominate;
     # - gae: a sequential loop of num_steps steps (28 ms per 2048 here); compiling it would unroll
     #   all of them into one graph, so it stays eager.
     if args.compile:
-        update = torch.compile(update, fullgraph=True, options={"cpp_wrapper": True} if device.type == "cpu" else None)
+        update = torch.compile(update, fullgraph=True)
         if device.type == "cuda":
             policy = torch.compile(policy)
     if cudagraphs:
