@@ -78,6 +78,20 @@ def load_script(path):
     return module
 
 
+def main_in_process(module, *argv, tmp_path, monkeypatch):
+    """A script module's main at its tiny settings plus `argv`, in this process, from tmp_path;
+    returns the exit code (0 when it ran through)."""
+    monkeypatch.chdir(tmp_path)
+    import tyro
+
+    args = tyro.cli(module.Args, args=[*TINY[family(module.__file__)], *map(str, argv)])
+    try:
+        module.main(args)
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
 @pytest.fixture
 def inductor_fallback_random():
     """Compiled code draws its random numbers from the eager stream, so eager and compiled

@@ -16,7 +16,7 @@ import pytest
 import torch
 import tyro
 
-from conftest import TINY, family, is_lean, load_script, run_script, scripts
+from conftest import TINY, family, is_lean, load_script, main_in_process, run_script, scripts
 
 ALL = scripts("*.py")
 PLAIN = [s for s in ALL if not is_lean(s)]
@@ -48,19 +48,6 @@ CASES = [
 ]
 
 
-def main_in_process(script, *extra, tmp_path, monkeypatch):
-    """Run a script's main in this process at its tiny settings; return (exit code, stdout, stderr)."""
-    monkeypatch.chdir(tmp_path)
-    module = load_script(script)
-    args = tyro.cli(module.Args, args=[*TINY[family(script)], *map(str, extra)])
-    try:
-        module.main(args)
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    return code
-
-
 def assert_refused_before_work(code, capsys, tmp_path, *words, started=False):
     out, err = capsys.readouterr()
     assert code == 2, (code, err)
@@ -75,27 +62,27 @@ def assert_refused_before_work(code, capsys, tmp_path, *words, started=False):
 
 @pytest.mark.parametrize("script,flag,value", CASES, ids=lambda x: getattr(x, "stem", x))
 def test_bad_flag_is_one_line_before_any_work(script, flag, value, tmp_path, monkeypatch, capsys):
-    code = main_in_process(script, f"--{flag.replace('_', '-')}", value, tmp_path=tmp_path, monkeypatch=monkeypatch)
+    code = main_in_process(load_script(script), f"--{flag.replace('_', '-')}", value, tmp_path=tmp_path, monkeypatch=monkeypatch)
     assert_refused_before_work(code, capsys, tmp_path, f"--{flag.replace('_', '-')}")
 
 
 @pytest.mark.parametrize("script", ALL, ids=lambda s: s.stem)
 def test_zero_budget_without_a_checkpoint_is_one_line(script, tmp_path, monkeypatch, capsys):
-    code = main_in_process(script, "--total-timesteps", 0, tmp_path=tmp_path, monkeypatch=monkeypatch)
+    code = main_in_process(load_script(script), "--total-timesteps", 0, tmp_path=tmp_path, monkeypatch=monkeypatch)
     assert_refused_before_work(code, capsys, tmp_path, "--total-timesteps")
 
 
 @pytest.mark.parametrize("script", ALL, ids=lambda s: s.stem)
 def test_track_without_wandb_is_one_line(script, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb now fails
-    code = main_in_process(script, "--track", tmp_path=tmp_path, monkeypatch=monkeypatch)
+    code = main_in_process(load_script(script), "--track", tmp_path=tmp_path, monkeypatch=monkeypatch)
     assert_refused_before_work(code, capsys, tmp_path, "wandb")
 
 
 @pytest.mark.parametrize("script", ALL, ids=lambda s: s.stem)
 def test_unwritable_run_folder_fails_at_start(script, tmp_path, monkeypatch, capsys):
     (tmp_path / "runs").write_text("a file where the runs folder should be")
-    code = main_in_process(script, "--save-model", tmp_path=tmp_path, monkeypatch=monkeypatch)
+    code = main_in_process(load_script(script), "--save-model", tmp_path=tmp_path, monkeypatch=monkeypatch)
     assert_refused_before_work(code, capsys, tmp_path, "runs/", started=True)
 
 
@@ -127,7 +114,7 @@ def bad_checkpoints(tmp_path, algorithm):
 def test_a_file_that_is_not_this_pairs_checkpoint_is_one_line(script, tmp_path, monkeypatch, capsys):
     module = load_script(script)
     for name, words in bad_checkpoints(tmp_path, module.ALGORITHM).items():
-        code = main_in_process(script, "--load-model", tmp_path / name, tmp_path=tmp_path, monkeypatch=monkeypatch)
+        code = main_in_process(load_script(script), "--load-model", tmp_path / name, tmp_path=tmp_path, monkeypatch=monkeypatch)
         assert_refused_before_work(code, capsys, tmp_path, *words, started=True)
     assert not (tmp_path / "pwned").exists()
 

@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-import tyro
 
-from conftest import TINY, load_script, run_script, scripts
+from conftest import TINY, load_script, main_in_process, run_script, scripts
 
 PLAIN_PATH, LEAN_PATH = scripts("pqn.py")[0], scripts("pqn_torchcompile.py")[0]
 BOTH = [PLAIN_PATH, LEAN_PATH]
@@ -25,16 +24,6 @@ def plain():
 @pytest.fixture(scope="module")
 def lean():
     return load_script(LEAN_PATH)
-
-
-def run_in_process(module, monkeypatch, tmp_path, *argv):
-    """main at the tiny settings plus `argv`; returns the exit code (0 when it ran through)."""
-    monkeypatch.chdir(tmp_path)
-    try:
-        module.main(tyro.cli(module.Args, args=[*TINY["pqn"], *map(str, argv)]))
-    except SystemExit as e:
-        return e.code
-    return 0
 
 
 # ---------------------------------------------------------------- Q(lambda) returns
@@ -134,7 +123,7 @@ def test_lean_policy_reads_the_scheduled_epsilon_at_every_step(lean, monkeypatch
         return recording_policy
 
     monkeypatch.setattr(lean, "make_policy", recording_make_policy)
-    assert run_in_process(lean, monkeypatch, tmp_path, "--exploration-fraction", "0.5") == 0
+    assert main_in_process(lean, "--exploration-fraction", "0.5", tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
     # 4 rollouts of 64 steps of 2 envs, each followed by one call for next_value
     acting = [e for i, e in enumerate(seen) if i % 65 != 64]
     expected = [lean.linear_schedule(1.0, 0.05, 256, 2 * (k + 1)) for k in range(256)]
@@ -165,7 +154,7 @@ def test_truncations_bootstrap_from_the_true_last_observation(lean, monkeypatch,
         return recording
 
     monkeypatch.setattr(lean, "make_returns", recording_make_returns)
-    assert run_in_process(lean, monkeypatch, tmp_path, "--env-id", SHORT_ID) == 0
+    assert main_in_process(lean, "--env-id", SHORT_ID, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
     _, _, _, final_values, terminations, dones = (torch.stack(x) for x in zip(*seen))
     truncated = dones.bool() & ~terminations.bool()
     assert truncated.any() and terminations.any()
@@ -173,7 +162,7 @@ def test_truncations_bootstrap_from_the_true_last_observation(lean, monkeypatch,
 
 
 def test_plain_script_runs_through_truncations(plain, monkeypatch, tmp_path):
-    assert run_in_process(plain, monkeypatch, tmp_path, "--env-id", SHORT_ID) == 0
+    assert main_in_process(plain, "--env-id", SHORT_ID, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
 
 
 # ---------------------------------------------------------------- update numerics
@@ -256,7 +245,7 @@ def test_compiled_update_matches_eager(lean):
 )
 def test_bad_input_is_one_line(path, argv, words, plain, lean, monkeypatch, tmp_path, capsys):
     module = plain if path == PLAIN_PATH else lean
-    assert run_in_process(module, monkeypatch, tmp_path, *argv) == 2
+    assert main_in_process(module, *argv, tmp_path=tmp_path, monkeypatch=monkeypatch) == 2
     out, err = capsys.readouterr()
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in err and out.strip() == "", err

@@ -8,9 +8,8 @@ import copy
 import numpy as np
 import pytest
 import torch
-import tyro
 
-from conftest import TINY, load_script, scripts
+from conftest import load_script, main_in_process, scripts
 
 PLAIN_PATH, LEAN_PATH = scripts("pqn_atari_envpool.py")[0], scripts("pqn_atari_envpool_torchcompile.py")[0]
 BOTH = [PLAIN_PATH, LEAN_PATH]
@@ -24,15 +23,6 @@ def plain():
 @pytest.fixture(scope="module")
 def lean():
     return load_script(LEAN_PATH)
-
-
-def run_in_process(module, monkeypatch, tmp_path, *argv):
-    monkeypatch.chdir(tmp_path)
-    try:
-        module.main(tyro.cli(module.Args, args=[*TINY["pqn_atari_envpool"], *map(str, argv)]))
-    except SystemExit as e:
-        return e.code
-    return 0
 
 
 # ---------------------------------------------------------------- Q(lambda) returns
@@ -197,7 +187,7 @@ def test_compiled_update_matches_eager(lean):
 )
 def test_bad_input_is_one_line(path, argv, words, plain, lean, monkeypatch, tmp_path, capsys):
     module = plain if path == PLAIN_PATH else lean
-    assert run_in_process(module, monkeypatch, tmp_path, *argv) == 2
+    assert main_in_process(module, *argv, tmp_path=tmp_path, monkeypatch=monkeypatch) == 2
     out, err = capsys.readouterr()
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in err and out.strip() == "", err
