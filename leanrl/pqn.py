@@ -268,15 +268,22 @@ def load_checkpoint(path, networks, env_id):
 class Run:
     """Around the training loop: the folder runs/<run_name> (TensorBoard events when tensorboard
     is installed, curve.csv, the checkpoint), wandb with --track, the progress bar, steps/s after
-    warm-up, SIGTERM handled as Ctrl-C, and the one-line JSON summary."""
+    warm-up, SIGTERM handled as Ctrl-C, and the one-line JSON summary. Under torchrun only rank 0
+    writes, prints, tracks, saves and evaluates."""
 
-    def __init__(self, args, total_steps, warmup_updates=3):
-        self.args, self.warmup_updates = args, warmup_updates
+    def __init__(self, args, total_steps, warmup_updates=3, rank=0):
+        self.args, self.warmup_updates, self.main = args, warmup_updates, rank == 0
         self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
         self.dir = f"runs/{self.name}"
         self.wandb = self.writer = self.last_good = self.stop_reason = self.warmup_s = self.last_sps = None
         self.interrupted, self.returns = False, deque(maxlen=10)
         self.step = self.updates = self.warm_step = 0
+        self.total_steps, self.bar = total_steps, None
+        self.start = self.warm_time = time.perf_counter()
+        signal.signal(signal.SIGTERM, self.on_sigterm)
+        if not self.main:
+            self.curve = open(os.devnull, "w")
+            return
         if args.track:
             try:
                 import wandb
@@ -298,9 +305,6 @@ class Run:
             print("notice: tensorboard is not installed; metrics go to --track only (pip install tensorboard)", file=sys.stderr)
         if self.wandb:
             self.wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=self.name, save_code=True)
-        self.total_steps, self.bar = total_steps, None
-        self.start = self.warm_time = time.perf_counter()
-        signal.signal(signal.SIGTERM, self.on_sigterm)
 
     def on_sigterm(self, signum, frame):
         """Schedulers stop jobs with SIGTERM: end the run as Ctrl-C does, saving first."""
@@ -339,7 +343,7 @@ class Run:
         """A log point: steps/s (from the first log point with `warmup_updates` updates done, when
         every compiled callable has run), bar, curve, metrics, and the weights as last good if
         they are finite (with --save-model)."""
-        self.bar = self.bar or tqdm.tqdm(total=self.total_steps, file=sys.stderr)
+        self.bar = self.bar or tqdm.tqdm(total=self.total_steps, file=sys.stderr, disable=not self.main)
         self.bar.update(step - self.step)
         self.step, self.updates, now = step, updates, time.perf_counter()
         if self.warmup_s is None and updates >= self.warmup_updates:
@@ -365,10 +369,10 @@ class Run:
         handlers = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if self.bar:
             self.bar.close()
-        if self.interrupted:
+        if self.interrupted and self.main:
             print(f"notice: interrupted at step {self.step}; saving what there is", file=sys.stderr)
         checkpoint, state = None, self.last_good
-        if self.args.save_model:
+        if self.args.save_model and self.main:
             current = {name: net.state_dict() for name, net in networks.items()}
             if self.stop_reason is None and all(v.isfinite().all() for sd in current.values() for v in sd.values()):
                 state = current
@@ -380,7 +384,7 @@ class Run:
                 checkpoint = atomic_save(saved, f"{self.dir}/{self.args.exp_name}.pt")
                 print(f"notice: model saved to {checkpoint}", file=sys.stderr)
         eval_return = None
-        if self.args.eval_episodes > 0 and self.stop_reason is None and not self.interrupted:
+        if self.args.eval_episodes > 0 and self.main and self.stop_reason is None and not self.interrupted:
             signal.signal(signal.SIGINT, handlers[0])
             signal.signal(signal.SIGTERM, handlers[1])
             try:
@@ -404,7 +408,8 @@ class Run:
         }
         # Strict JSON: non-finite numbers become null.
         summary = {k: (round(float(v), 3) if math.isfinite(v) else None) if isinstance(v, (float, np.floating)) else v for k, v in summary.items()}
-        print(json.dumps(summary), flush=True)
+        if self.main:
+            print(json.dumps(summary), flush=True)
         if self.stop_reason:
             print(f"error: {self.stop_reason}", file=sys.stderr)
             sys.exit(1)
