@@ -31,40 +31,47 @@ MODES = {"eager": [], "compile": ["--compile"], "cudagraphs": ["--cudagraphs"], 
 
 # Per family: the env, the arguments every mode shares and the total env steps per profile:
 # "quick" runs the whole benchmark in minutes (the README's table), "full" over longer budgets,
-# "tiny" is for the benchmark's own test. A family missing here is no error: it runs with
-# DEFAULT, its script's own env and defaults, and gets no ceilings.
-DEFAULT = dict(env_id=None, num_envs=1, args=[], budget=dict(full=20000, quick=5000, tiny=256), tiny_args=[], off_policy=False, envpool=False)
+# "tiny" is for the benchmark's own test. `arith`: the plain script's arguments for the short run
+# whose matmuls and convolutions the arithmetic ceiling replays, and the env steps that run trains
+# on. A family missing here is no error: it runs with DEFAULT, its script's own env and defaults,
+# and gets no ceilings.
+DEFAULT = dict(env_id=None, num_envs=1, args=[], budget=dict(full=20000, quick=5000, tiny=256), tiny_args=[], arith=None, envpool=False)
+# off-policy: 300 training steps after 256 acting ones (their single-row forwards are recorded too,
+# well under 1% of the replay time)
+OFF_POLICY_ARITH = dict(args=["--learning-starts", "256", "--total-timesteps", "556"], steps=300)
 # SAC and TD3: quick makes 300 updates after learning starts
 MUJOCO_OFF_POLICY = dict(
     env_id="HalfCheetah-v5", args=["--learning-starts", "1000"], budget=dict(full=7000, quick=1300, tiny=200),
-    tiny_args=["--env-id", "Pendulum-v1", "--learning-starts", "64", "--batch-size", "32"], off_policy=True,
+    tiny_args=["--env-id", "Pendulum-v1", "--learning-starts", "64", "--batch-size", "32"], arith=OFF_POLICY_ARITH,
 )
 FAMILIES = {
     # PPO: iterations of 2048 steps, the first of them warm-up; quick times two
     "ppo_continuous_action": dict(
         env_id="HalfCheetah-v5", args=["--num-steps", "2048"], budget=dict(full=22528, quick=6144, tiny=256),
         tiny_args=["--env-id", "InvertedPendulum-v5", "--num-steps", "64", "--num-minibatches", "2", "--update-epochs", "2"],
+        arith=dict(args=["--num-steps", "2048", "--total-timesteps", "4096"], steps=4096),
     ),
     "sac_continuous_action": MUJOCO_OFF_POLICY,
     "td3_continuous_action": MUJOCO_OFF_POLICY,
     "dqn": dict(
         env_id="CartPole-v1", args=["--learning-starts", "1000"], budget=dict(full=20000, quick=12000, tiny=300),
-        tiny_args=["--learning-starts", "100", "--batch-size", "32"], off_policy=True,
+        tiny_args=["--learning-starts", "100", "--batch-size", "32"], arith=OFF_POLICY_ARITH,
     ),
     # Atari PPO: iterations of 8 x 128 steps, the first of them warm-up
     "ppo_atari_envpool": dict(
         env_id="Breakout-v5", num_envs=8, envpool=True, budget=dict(full=12288, quick=2048, tiny=64),
-        tiny_args=["--num-envs", "2", "--num-steps", "16"],
+        tiny_args=["--num-envs", "2", "--num-steps", "16"], arith=dict(args=["--total-timesteps", "2048"], steps=2048),
     ),
     # PQN: iterations of 4 x 128 steps, the first of them warm-up
     "pqn": dict(
         env_id="CartPole-v1", num_envs=4, budget=dict(full=102400, quick=20480, tiny=512),
         tiny_args=["--num-envs", "2", "--num-steps", "64", "--num-minibatches", "2", "--update-epochs", "2"],
+        arith=dict(args=["--total-timesteps", "1024"], steps=1024),
     ),
     # Atari PQN: iterations of 8 x 128 steps, the first of them warm-up
     "pqn_atari_envpool": dict(
         env_id="Breakout-v5", num_envs=8, envpool=True, budget=dict(full=12288, quick=2048, tiny=64),
-        tiny_args=["--num-envs", "2", "--num-steps", "16"],
+        tiny_args=["--num-envs", "2", "--num-steps", "16"], arith=dict(args=["--total-timesteps", "2048"], steps=2048),
     ),
 }
 
@@ -175,17 +182,20 @@ def env_ceiling(env_id, num_envs, envpool_env=False, seconds=5.0):
     return {"sps": sps}
 
 
-RECORD_MATMULS = r"""
+# The dense ops, whose cost no script can avoid: matmuls, convolutions and their gradients.
+RECORD_DENSE_OPS = r"""
 import contextlib, io, json, runpy, sys, torch
 from torch.utils._python_dispatch import TorchDispatchMode
 out, script, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
-MM = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default}
+aten = torch.ops.aten
+DENSE = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.convolution.default, aten.convolution_backward.default}
+def spec(a):  # a tensor as its shape and whether its last two dims are transposed; the rest as is
+    return {"shape": list(a.shape), "t": a.dim() in (2, 3) and a.stride(-1) != 1} if isinstance(a, torch.Tensor) else a
 seen = []
 class Record(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in MM:
-            mats = [a for a in args if isinstance(a, torch.Tensor)][-2:]
-            seen.append([func.__name__, [list(m.shape) for m in mats], [m.stride(-1) != 1 for m in mats]])
+        if func in DENSE:
+            seen.append([str(func), [spec(a) for a in args]])
         return func(*args, **(kwargs or {}))
 sys.argv = [script, *argv]
 with Record(), contextlib.redirect_stdout(io.StringIO()):
@@ -194,33 +204,48 @@ json.dump(seen, open(out, "w"))
 """
 
 
-def arithmetic_ceiling(family, work_dir, seconds=3.0):
-    """Steps per second if a training step cost only its matrix multiplies (off-policy families).
+def flop(name, args, result):
+    """Multiply-adds x 2 of one recorded dense op."""
+    if "conv" not in name:
+        a, b = args[-2:]  # (bias,) a, b: a (batch,) M x K, b (batch,) K x N
+        return 2 * a.numel() * b.shape[-1]
+    if name.endswith("convolution.default"):
+        return 2 * result.numel() * args[1][0].numel()
+    grad_out, weight, mask = args[0], args[2], args[-1]  # convolution_backward: one per gradient asked for
+    return 2 * grad_out.numel() * weight[0].numel() * sum(mask[:2])
 
-    A short eager run of the plain script records every matmul's shapes and transposition; they
-    are replayed in a tight loop with one thread, and one pass serves the recorded run's steps."""
+
+def arithmetic_ceiling(family, work_dir, seconds=3.0):
+    """Steps per second if a training step cost only its dense ops (matmuls, convolutions and
+    their gradients, acting included). A short eager run of the plain script records each one's
+    shapes and layout; they are replayed in a tight loop with one thread, and one pass serves the
+    env steps the recorded run trained on."""
     import torch
     cfg = config(family)
-    # the acting forwards of the first `learning_starts` steps are recorded too: single-row
-    # matmuls, well under 1% of the replay time
-    learning_starts, train_steps = 256, 300
-    out = (Path(work_dir) / f"matmuls_{family}.json").resolve()
-    argv = ["--learning-starts", str(learning_starts), "--total-timesteps", str(learning_starts + train_steps)]
-    argv += ["--env-id", cfg["env_id"]] if cfg["env_id"] else []
-    subprocess.run([sys.executable, "-c", RECORD_MATMULS, str(out), str(SCRIPTS / f"{family}.py"), *argv], check=True, cwd=work_dir, capture_output=True, env={**os.environ, **ONE_THREAD, "WANDB_MODE": "disabled"})
+    out = (Path(work_dir) / f"dense_ops_{family}.json").resolve()
+    argv = cfg["arith"]["args"] + (["--env-id", cfg["env_id"]] if cfg["env_id"] else [])
+    subprocess.run([sys.executable, "-c", RECORD_DENSE_OPS, str(out), str(SCRIPTS / f"{family}.py"), *argv], check=True, cwd=work_dir, capture_output=True, env={**os.environ, **ONE_THREAD, "WANDB_MODE": "disabled"})
     torch.set_num_threads(1)
-    mats = []
-    for _, shapes, transposed in json.loads(out.read_text()):
-        pair = [torch.randn(*s[:-2], s[-1], s[-2]).transpose(-1, -2) if t else torch.randn(*s) for s, t in zip(shapes, transposed)]
-        mats.append((torch.bmm if len(shapes[0]) == 3 else torch.mm, pair))
-    passes = rate(lambda: [fn(a, b) for fn, (a, b) in mats], seconds)
-    flops = sum(2 * a.shape[-2] * a.shape[-1] * b.shape[-1] * (a.shape[0] if a.dim() == 3 else 1) for _, (a, b) in mats)
-    return {"sps": train_steps * cfg["num_envs"] * passes, "gflop_per_step": flops / train_steps / 1e9, "gflops": flops * passes / 1e9}
+
+    def tensor(a):
+        s = a["shape"]
+        return torch.randn(*s[:-2], s[-1], s[-2]).transpose(-1, -2) if a["t"] else torch.randn(*s)
+
+    ops = []
+    for name, specs in json.loads(out.read_text()):
+        fn = torch.ops.aten
+        for part in name.split(".")[1:]:
+            fn = getattr(fn, part)
+        ops.append((name, fn, [tensor(a) if isinstance(a, dict) else a for a in specs]))
+    flops = sum(flop(name, args, fn(*args)) for name, fn, args in ops)
+    passes = rate(lambda: [fn(*args) for _, fn, args in ops], seconds)
+    steps = cfg["arith"]["steps"]
+    return {"sps": steps * passes, "gflop_per_step": flops / steps / 1e9, "gflops": flops * passes / 1e9}
 
 
 def ceilings_of(fams, work_dir):
     """The env ceiling of every family with an env in FAMILIES, and the arithmetic ceiling of the
-    off-policy ones. Families on the same env and number of envs share one measurement."""
+    families with an `arith` run. Families on the same env and number of envs share one measurement."""
     ceilings, env_measured = {}, {}
     for fam in fams:
         cfg = config(fam)
@@ -231,7 +256,7 @@ def ceilings_of(fams, work_dir):
         if key not in env_measured:
             env_measured[key] = env_ceiling(*key, envpool_env=cfg["envpool"])
         ceilings[fam] = {"env": env_measured[key]}
-        if cfg["off_policy"]:
+        if cfg["arith"]:
             try:
                 ceilings[fam]["arith"] = arithmetic_ceiling(fam, work_dir)
             except subprocess.CalledProcessError as e:
@@ -320,7 +345,7 @@ def summarize(results, skipped, ceilings, info):
         cfg, a = config(fam), ceil.get("arith")
         rows.append(
             f"- {fam}: env alone {ceil['env']['sps']:,.0f} ({cfg['env_id']}, {cfg['num_envs']} env, random actions)"
-            + (f"; matmuls alone {a['sps']:,.0f} ({a['gflop_per_step']:.3g} GFLOP per step at {a['gflops']:.0f} GFLOP/s)" if a else "")
+            + (f"; dense ops alone {a['sps']:,.0f} ({a['gflop_per_step']:.3g} GFLOP per step at {a['gflops']:.0f} GFLOP/s)" if a else "")
         )
     return "\n".join(rows) + "\n"
 
