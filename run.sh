@@ -7,6 +7,15 @@
 #   ./run.sh                      # the full profile: longer budgets
 #   ./run.sh --scripts ppo_continuous_action sac_continuous_action --seeds 1 2 3 --steps 50000
 #   ./run.sh --help
+#
+# The learning profile: plain against lean --compile, curves and final returns over seeds
+# (benchmark/learning.py):
+#
+#   ./run.sh --learning --quick   # 3 seeds, short budgets: under 20 minutes on 2 cores
+#   ./run.sh --learning           # 5 seeds, budgets where the curves still rise: hours
 set -euo pipefail
 cd "$(dirname "$0")"
+if [[ "${1:-}" == "--learning" ]]; then
+    exec python benchmark/learning.py "${@:2}"
+fi
 exec python benchmark/bench.py "$@"

@@ -128,9 +128,10 @@ def read_curve(summary, cwd):
     return rows[:: max(1, len(rows) // 200)]  # enough points for a plot; results.jsonl stays small
 
 
-def run_one(script, argv, log, timeout):
+def run_one(script, argv, log, timeout, timed=True):
     """Run one script with one thread, in the log's folder; return its summary (the last stdout
-    line that is a JSON object) with its curve, or None if it failed or timed out."""
+    line that is a JSON object) with its curve, or None if it failed, timed out or (`timed`) ran
+    too short to be timed."""
     env = {**os.environ, **ONE_THREAD, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
     with open(log, "w") as err:
         # its own process group, so that a timeout or Ctrl-C also stops anything it started
@@ -147,7 +148,7 @@ def run_one(script, argv, log, timeout):
     if proc.returncode != 0 or not lines:
         return None
     summary = json.loads(lines[-1])
-    if summary.get("sps") is None:  # a budget too small to time after warm-up
+    if timed and summary.get("sps") is None:  # a budget too small to time after warm-up
         return None
     return {**summary, "curve": read_curve(summary, log.parent)}
 

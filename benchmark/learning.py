@@ -1,0 +1,169 @@
+"""The LeanRL learning profile: does each lean script learn as well as its plain twin?
+
+For every pair, the plain script and the lean one (`--compile`) train over the same seeds, on a
+task and budget where the curve is still rising, interleaved (per seed: plain, then lean) with one
+thread per run. It writes `results.jsonl` (one summary and curve per run), `table.md` (final
+returns, the lean-minus-plain difference and its 95% bootstrap interval) and `learning.png` (return
+against env steps per pair: mean over seeds and the min-max band, plain and lean overlaid).
+Learning is not timed, so runs go `--jobs` at a time. Usage: `./run.sh --learning --help`.
+"""
+
+import argparse
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench  # noqa: E402  (the runner and the curve reader are the speed benchmark's)
+
+# Per pair and profile: the arguments both scripts share and the env steps per run. "full" is a
+# budget where the curve still rises on a task that is not saturated; "quick" runs all pairs over
+# 3 seeds in under 20 minutes on 2 cores, where the smaller budgets show the start of learning.
+PAIRS = {
+    "ppo_continuous_action": dict(full=(["--env-id", "HalfCheetah-v5"], 300_000), quick=(["--env-id", "HalfCheetah-v5"], 40_960)),
+    "sac_continuous_action": dict(
+        full=(["--env-id", "HalfCheetah-v5"], 100_000), quick=(["--env-id", "Pendulum-v1", "--learning-starts", "1000"], 5_000)
+    ),
+    "td3_continuous_action": dict(
+        full=(["--env-id", "HalfCheetah-v5"], 100_000), quick=(["--env-id", "Pendulum-v1", "--learning-starts", "1000"], 5_000)
+    ),
+    "dqn": dict(full=([], 500_000), quick=([], 100_000)),
+    "pqn": dict(full=([], 500_000), quick=([], 100_000)),
+    "ppo_atari_envpool": dict(full=([], 500_000), quick=([], 10_240)),
+    "pqn_atari_envpool": dict(full=([], 500_000), quick=([], 10_240)),
+}
+SEEDS = dict(full=[1, 2, 3, 4, 5], quick=[1, 2, 3])
+SIDES = {"plain": ("{}.py", []), "lean": ("{}_torchcompile.py", ["--compile"])}
+
+
+def plan(pairs, seeds, profile, steps=None):
+    """(pair, side, seed, script, argv), seeds outer, so that a stopped profile has every pair."""
+    runs = []
+    for seed in seeds:
+        for pair in pairs:
+            args, budget = PAIRS[pair][profile]
+            for side, (name, flags) in SIDES.items():
+                argv = ["--total-timesteps", str(steps or budget), *args, "--seed", str(seed), *flags]
+                runs.append((pair, side, seed, bench.SCRIPTS / name.format(pair), argv))
+    return runs
+
+
+def run_all(runs, out, jobs, timeout):
+    """Run the plan, `jobs` at a time; append each summary (with its curve) to results.jsonl."""
+    start, done = time.perf_counter(), []
+
+    def one(run):
+        pair, side, seed, script, argv = run
+        log = out / "logs" / f"{pair}__{side}__seed{seed}.log"
+        summary = bench.run_one(script, argv, log, timeout, timed=False)
+        status = "failed: see " + str(log) if summary is None else f"return {summary.get('episodic_return')}"
+        print(f"[{len(done) + 1}/{len(runs)}] {pair} {side} seed {seed}: {status} ({bench.duration(time.perf_counter() - start)})", flush=True)
+        done.append(run)
+        return None if summary is None else {"pair": pair, "side": side, **summary}
+
+    with ThreadPoolExecutor(jobs) as pool:
+        results = [r for r in pool.map(one, runs) if r]
+    with open(out / "results.jsonl", "w") as sink:
+        for r in results:
+            print(json.dumps(r), file=sink)
+    return results
+
+
+def bootstrap_interval(a, b, resamples=10_000, seed=0):
+    """95% percentile-bootstrap interval of mean(b) - mean(a), resampling each side's seeds."""
+    rng = np.random.default_rng(seed)
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    diffs = rng.choice(b, (resamples, len(b))).mean(1) - rng.choice(a, (resamples, len(a))).mean(1)
+    return tuple(np.percentile(diffs, [2.5, 97.5]))
+
+
+def finals(results, pair, side):
+    """Each seed's final return (mean of its last 10 episodes), in seed order."""
+    runs = sorted((r for r in results if r["pair"] == pair and r["side"] == side), key=lambda r: r["seed"])
+    return [r["episodic_return"] for r in runs if r.get("episodic_return") is not None]
+
+
+def summarize(results, info):
+    rows = [
+        f"Machine: {info['cpu']}, {info['cores']} cores; torch {info['torch']}. Command: `{info['command']}` "
+        f"(profile `{info['profile']}`, seeds {info['seeds']}, {info['wall']}).",
+        "",
+        "| pair | env | steps | plain (mean ± sd) | lean --compile (mean ± sd) | lean - plain | 95% interval | same? |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for pair in dict.fromkeys(r["pair"] for r in results):
+        plain, lean = finals(results, pair, "plain"), finals(results, pair, "lean")
+        first = next(r for r in results if r["pair"] == pair)
+        cols = [pair, first["env_id"], f"{first['total_steps']:,}"]
+        cols += [f"{np.mean(v):.1f} ± {np.std(v, ddof=1) if len(v) > 1 else 0:.1f} (n={len(v)})" if v else "" for v in (plain, lean)]
+        if len(plain) > 1 and len(lean) > 1:
+            lo, hi = bootstrap_interval(plain, lean)
+            cols += [f"{np.mean(lean) - np.mean(plain):+.1f}", f"[{lo:+.1f}, {hi:+.1f}]", "yes" if lo <= 0 <= hi else "**no**"]
+        else:
+            cols += ["", "", "too few seeds"]
+        rows.append("| " + " | ".join(cols) + " |")
+    rows += [
+        "",
+        "Final return: a run's mean over its last 10 episodes. 95% interval: percentile bootstrap of the "
+        "difference of the means over seeds (10,000 resamples). same?: the interval holds 0.",
+    ]
+    return "\n".join(rows) + "\n"
+
+
+def plot(results, path):
+    """Return against env steps per pair: mean over seeds and the min-max band, plain and lean."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    pairs = list(dict.fromkeys(r["pair"] for r in results))
+    fig, axes = plt.subplots(1, len(pairs), figsize=(4.2 * len(pairs), 3.6), squeeze=False)
+    for ax, pair in zip(axes[0], pairs):
+        for color, side in (("grey", "plain"), ("C0", "lean")):
+            curves = [np.asarray(r["curve"]) for r in results if r["pair"] == pair and r["side"] == side and r["curve"]]
+            if not curves:
+                continue
+            grid = np.linspace(max(c[0, 0] for c in curves), min(c[-1, 0] for c in curves), 100)
+            ys = np.stack([np.interp(grid, c[:, 0], c[:, 2]) for c in curves])
+            ax.plot(grid, ys.mean(0), color=color, label=f"{side} ({len(curves)} seeds)")
+            ax.fill_between(grid, ys.min(0), ys.max(0), color=color, alpha=0.2)
+        first = next(r for r in results if r["pair"] == pair)
+        ax.set(title=f"{pair}\n{first['env_id']}", xlabel="env steps", ylabel="episodic return")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="run.sh --learning", description="Plain against lean --compile: learning curves and final returns over seeds.")
+    parser.add_argument("--quick", action="store_true", help="3 seeds, short budgets: under 20 minutes on 2 cores")
+    parser.add_argument("--pairs", nargs="+", default=list(PAIRS), choices=list(PAIRS), metavar="PAIR", help=f"pairs to run (default: all): {', '.join(PAIRS)}")
+    parser.add_argument("--seeds", nargs="+", type=int, default=None, help="seeds (default: 1-5, or 1-3 with --quick)")
+    parser.add_argument("--steps", type=int, default=None, help="env steps of every run, instead of the profile's")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each (default 2)")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: bench_results/learning-<profile>-<time>)")
+    parser.add_argument("--timeout", type=int, default=6 * 3600, help="seconds before one run is abandoned")
+    args = parser.parse_args(argv)
+    profile = "quick" if args.quick else "full"
+    seeds = args.seeds or SEEDS[profile]
+    out = (args.out or bench.ROOT / "bench_results" / f"learning-{profile}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    results = run_all(plan(args.pairs, seeds, profile, args.steps), out, args.jobs, args.timeout)
+    command = "./run.sh --learning " + " ".join(argv if argv is not None else sys.argv[1:])
+    info = {**bench.machine(), "profile": profile, "seeds": seeds, "command": command.strip(), "wall": bench.duration(time.perf_counter() - start)}
+    table = summarize(results, info)
+    (out / "table.md").write_text(table)
+    if results:
+        plot(results, out / "learning.png")
+    print(table)
+    print(f"results: {out / 'results.jsonl'}; table: {out / 'table.md'}; plot: {out / 'learning.png'}")
+    return 0 if len(results) == 2 * len(seeds) * len(args.pairs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""The learning profile (`./run.sh --learning`): every pair is in it, the interval on the
+difference says what it should on differences the test chose, and one tiny profile runs end to
+end (runs, table, plot)."""
+
+import importlib.util
+import json
+
+import pytest
+
+from conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def learning():
+    spec = importlib.util.spec_from_file_location("learning", ROOT / "benchmark" / "learning.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_pair_has_both_profiles(learning):
+    assert set(learning.PAIRS) == set(learning.bench.families())
+    for pair, profiles in learning.PAIRS.items():
+        assert set(profiles) == {"full", "quick"}, pair
+
+
+def test_plan_runs_plain_then_lean_compile_for_each_seed(learning):
+    runs = learning.plan(["dqn", "pqn"], [1, 2], "quick")
+    assert [(pair, side, seed) for pair, side, seed, _, _ in runs] == [
+        (p, s, seed) for seed in (1, 2) for p in ("dqn", "pqn") for s in ("plain", "lean")
+    ]
+    _, _, _, script, argv = runs[1]
+    assert script.name == "dqn_torchcompile.py" and argv[-1] == "--compile"
+    assert argv[:2] == ["--total-timesteps", "100000"] and "--seed" in argv
+
+
+def test_bootstrap_interval_holds_zero_only_when_it_should(learning):
+    plain = [100.0, 110.0, 90.0, 105.0, 95.0]
+    lo, hi = learning.bootstrap_interval(plain, [x + 1.0 for x in plain])
+    assert lo < 0 < hi  # a shift far inside the spread of the seeds
+    lo, hi = learning.bootstrap_interval(plain, [x + 100.0 for x in plain])
+    assert 80 < lo < hi < 120  # a shift of 100 with a spread of 20
+
+
+def test_table_flags_a_difference(learning):
+    results = [
+        {"pair": "dqn", "side": side, "seed": s, "env_id": "CartPole-v1", "total_steps": 1000, "episodic_return": r + (300 if side == "lean" else 0)}
+        for s, r in enumerate([10.0, 20.0, 30.0]) for side in ("plain", "lean")
+    ]
+    info = {"cpu": "x", "cores": 1, "torch": "t", "command": "c", "profile": "quick", "seeds": [0, 1, 2], "wall": "0m01s"}
+    row = next(line for line in learning.summarize(results, info).splitlines() if line.startswith("| dqn"))
+    assert "20.0 ± 10.0 (n=3)" in row and "320.0 ± 10.0 (n=3)" in row and "+300.0" in row and "**no**" in row
+
+
+def test_tiny_learning_profile_writes_table_and_plot(learning, tmp_path):
+    status = learning.main(["--quick", "--pairs", "pqn", "--seeds", "1", "2", "--steps", "512", "--out", str(tmp_path)])
+    assert status == 0
+    records = [json.loads(r) for r in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert sorted((r["side"], r["seed"]) for r in records) == [("lean", 1), ("lean", 2), ("plain", 1), ("plain", 2)]
+    assert all(r["total_steps"] == 512 and r["curve"] for r in records)
+    assert "| pqn | CartPole-v1 | 512 |" in (tmp_path / "table.md").read_text()
+    assert (tmp_path / "learning.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
