@@ -128,11 +128,13 @@ def read_curve(summary, cwd):
     return rows[:: max(1, len(rows) // 200)]  # enough points for a plot; results.jsonl stays small
 
 
-def run_one(script, argv, log, timeout, timed=True):
+def run_one(script, argv, log, timeout, timed=True, cache=None):
     """Run one script with one thread, in the log's folder; return its summary (the last stdout
     line that is a JSON object) with its curve, or None if it failed, timed out or (`timed`) ran
-    too short to be timed."""
+    too short to be timed. `cache`: the folder of torch.compile's caches for this run."""
     env = {**os.environ, **ONE_THREAD, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
+    if cache:
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
     with open(log, "w") as err:
         # its own process group, so that a timeout or Ctrl-C also stops anything it started
         proc = subprocess.Popen([sys.executable, str(script), *argv], stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=log.parent, start_new_session=True)
@@ -270,19 +272,22 @@ def duration(seconds):
 
 
 def run_all(runs, out, timeout):
-    """Run the plan in order with a progress line; append each summary to results.jsonl."""
-    results, start = [], time.perf_counter()
+    """Run the plan in order with a progress line; append each summary to results.jsonl. Each
+    (script, mode) cell has a compile cache of its own, empty before its first seed: the first
+    seed's warm-up is cold (everything compiled), the others' warm (inductor's caches hit)."""
+    results, start, cold = [], time.perf_counter(), set()
     with open(out / "results.jsonl", "w") as sink:
         for i, (fam, script, mode, seed, argv) in enumerate(runs, 1):
             elapsed = time.perf_counter() - start
             eta = f", about {duration(elapsed / (i - 1) * (len(runs) - i + 1))} left" if i > 1 else ""
             print(f"[{i}/{len(runs)}] {script.name} {mode} seed {seed} (elapsed {duration(elapsed)}{eta})", flush=True)
             log = out / "logs" / f"{script.stem}__{mode}__seed{seed}.log"
-            summary = run_one(script, argv, log, timeout)
+            summary = run_one(script, argv, log, timeout, cache=out / "compile_cache" / f"{script.stem}__{mode}")
             if summary is None:
                 print(f"  failed: see {log}", flush=True)
                 continue
-            record = {"family": fam, "mode": mode, **summary}
+            record = {"family": fam, "mode": mode, **summary, "cold": (script, mode) not in cold}
+            cold.add((script, mode))
             results.append(record)
             print(json.dumps(record), file=sink, flush=True)
             print(f"  {summary['sps']:,.0f} steps/s after warm-up, warm-up {summary.get('warmup_s') or 0:.1f} s, return {summary.get('episodic_return')}", flush=True)
@@ -317,8 +322,8 @@ def summarize(results, skipped, ceilings, info):
         f"Machine: {info['cpu']}, {info['cores']} cores, GPU: {info['gpu'] or 'none'}; torch {info['torch']}, Python {info['python']}.",
         f"Command: `{info['command']}` (profile `{info['profile']}`, seeds {info['seeds']}).",
         "",
-        "| algorithm | script | mode | steps/s (median) | min-max | vs plain (median) | vs plain min-max | of env ceiling | of arithmetic ceiling | warm-up s | peak RSS MB | return (median) |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| algorithm | script | mode | steps/s (median) | min-max | vs plain (median) | vs plain min-max | of env ceiling | of arithmetic ceiling | warm-up s cold | warm-up s warm | peak RSS MB | return (median) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     cells, na = by_cell(results), {(fam, mode) for fam, _, mode in skipped}
     for fam in dict.fromkeys(r["family"] for r in results):
@@ -326,7 +331,7 @@ def summarize(results, skipped, ceilings, info):
         for mode in ["plain", *MODES]:
             cell = cells.get((fam, mode))
             if (fam, mode) in na:
-                rows.append(f"| {fam} | {fam}_torchcompile.py | {mode} | n/a (needs CUDA) | | | | | | | | |")
+                rows.append(f"| {fam} | {fam}_torchcompile.py | {mode} | n/a (needs CUDA) | | | | | | | | | |")
             elif cell:
                 sps = [r["sps"] for r in cell]
                 med = statistics.median(sps)
@@ -334,11 +339,13 @@ def summarize(results, skipped, ceilings, info):
                 cols = [fam, cell[0]["script"], mode, f"{med:,.0f}", f"{min(sps):,.0f}-{max(sps):,.0f}"]
                 cols += [f"{statistics.median(ratios):.2f}x", f"{min(ratios):.2f}-{max(ratios):.2f}"] if ratios else ["", ""]
                 cols += [f"{med / ceil[c]['sps']:.0%}" if c in ceil else "" for c in ("env", "arith")]
-                cols += [of_cell(cell, "warmup_s", ".1f"), of_cell(cell, "peak_rss_mb", ",.0f", max), of_cell(cell, "episodic_return", ".1f")]
+                cols += [of_cell([r for r in cell if r.get("cold")], "warmup_s", ".1f"), of_cell([r for r in cell if not r.get("cold")], "warmup_s", ".1f")]
+                cols += [of_cell(cell, "peak_rss_mb", ",.0f", max), of_cell(cell, "episodic_return", ".1f")]
                 rows.append("| " + " | ".join(cols) + " |")
     rows += [
         "",
         "steps/s: after warm-up, one thread, pinned to one core; median and min-max over seeds. "
+        "warm-up: seconds to the first log point with 3 updates done; cold: the first seed, with empty compile caches; warm: the median of the other seeds, whose compiles hit the caches. "
         "vs plain: per seed, the run's steps/s over the plain script's run of that seed (run just before it); the median and min-max of those ratios.",
     ]
     rows += ["", "Ceilings (steps/s):", ""] if ceilings else []

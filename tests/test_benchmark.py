@@ -163,3 +163,24 @@ def test_ceilings_appear_in_the_table_as_fractions_of_the_median():
     row = next(line for line in table.splitlines() if "| plain |" in line)
     assert [c.strip() for c in row.strip("|").split("|")][7:9] == ["25%", "50%"]
     assert "- dqn: env alone 200 (CartPole-v1, 1 env, random actions); dense ops alone 100" in table
+
+
+def test_warm_up_is_split_into_the_cold_first_seed_and_the_warm_others():
+    bench = load_bench()
+    records = [
+        {"family": "dqn", "mode": "compile", "script": "dqn_torchcompile.py", "seed": s, "sps": 50.0, "warmup_s": w, "cold": s == 1}
+        for s, w in ((1, 30.0), (2, 4.0), (3, 6.0), (4, 100.0))
+    ]
+    info = {"cpu": "x", "cores": 1, "gpu": None, "torch": "t", "python": "p", "command": "c", "profile": "quick", "seeds": [1, 2, 3, 4]}
+    row = next(line for line in bench.summarize(records, [], {}, info).splitlines() if "| compile |" in line)
+    assert [c.strip() for c in row.strip("|").split("|")][9:11] == ["30.0", "6.0"]
+
+
+def test_each_cell_compiles_into_its_own_cache_and_only_its_first_seed_is_cold(tmp_path, monkeypatch):
+    bench = load_bench()
+    calls = []
+    monkeypatch.setattr(bench, "run_one", lambda script, argv, log, timeout, cache: calls.append(cache) or {"sps": 1.0, "seed": argv[-1]})
+    runs, _ = bench.plan(["dqn"], [1, 2], "tiny", cuda=False)
+    records = bench.run_all(runs, tmp_path, 10)
+    assert [(r["mode"], r["cold"]) for r in records] == [("plain", True), ("eager", True), ("compile", True), ("plain", False), ("eager", False), ("compile", False)]
+    assert calls[:3] == calls[3:] and len(set(calls)) == 3
