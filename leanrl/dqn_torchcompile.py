@@ -11,6 +11,12 @@ the device between two log points.
     python leanrl/dqn_torchcompile.py
     python leanrl/dqn_torchcompile.py --compile
     python leanrl/dqn_torchcompile.py --compile --cudagraphs
+
+`--num-seeds N` trains N independent agents (seeds seed ... seed+N-1) in one process: their
+weights and Adam states stacked on a leading seed dimension, so that acting and the update are
+one batched call for all of them, each agent on its own slice of one vector env and its own
+column of the replay storage. Seed k is not bit-identical to a single run of seed+k: the agents
+share one stream of random numbers for exploration and sampling.
 """
 
 import importlib.util
@@ -23,7 +29,7 @@ import signal
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import gymnasium as gym
 import numpy as np
@@ -62,6 +68,8 @@ class Args:
     """path of a checkpoint to start from (with `--total-timesteps 0`: evaluate it only)"""
     eval_episodes: int = 0
     """episodes of the greedy policy to run after training (0: none)"""
+    num_seeds: int = 1
+    """independent agents trained at once, seeds `seed` to `seed + num-seeds - 1` (`total-timesteps` each)"""
 
     # algorithm
     env_id: str = "CartPole-v1"
@@ -155,6 +163,12 @@ def real_next_obs(next_obs, infos):
     return real
 
 
+def seed_slice(infos, k, num_envs):
+    """Seed k's share of a vector env's infos: the values of its sub-envs, k * num_envs onwards."""
+    part = slice(k * num_envs, (k + 1) * num_envs)
+    return {key: seed_slice(value, k, num_envs) if isinstance(value, dict) else value[part] for key, value in infos.items()}
+
+
 def linear_schedule(start_e: float, end_e: float, duration: float, t: int) -> float:
     """Epsilon at step t: from start_e to end_e linearly over `duration` steps, then flat."""
     if duration <= 0:
@@ -181,6 +195,25 @@ class QNetwork(nn.Module):
 
     def forward(self, x):
         return self.network(x)
+
+
+def stack_seeds(networks):
+    """The networks' parameters stacked on a leading seed dimension, as flat names -> tensors.
+    Each network's parameters become views of its slice, so that it acts, evaluates and saves
+    (a state_dict the single-seed script loads) with its seed's current weights."""
+    stacked = torch.stack([from_module(net).data for net in networks]).contiguous()
+    for k, net in enumerate(networks):
+        stacked[k].to_module(net)
+    return stacked.flatten_keys(".")
+
+
+def seeds_q_values(params, x):
+    """QNetwork.forward for all seeds at once: x [seeds, rows, n_obs] -> [seeds, rows, n_act],
+    one batched matmul per layer over the stacked weights of `stack_seeds`."""
+    for i, layer in enumerate(("network.0", "network.2", "network.4")):
+        x = torch.baddbmm(params[f"{layer}.bias"].unsqueeze(1), x, params[f"{layer}.weight"].mT)
+        x = x.relu() if i < 2 else x
+    return x
 
 
 class ReplayBuffer:
@@ -277,6 +310,18 @@ def make_policy(q_network, epsilon, n_act):
     return policy
 
 
+def make_seeds_policy(params, epsilon, n_act, num_seeds):
+    """make_policy for stacked seeds: observations [seeds * envs, n_obs], seed k's envs in block k."""
+
+    def policy(obs):
+        q_values = seeds_q_values(params, obs.view(num_seeds, -1, obs.shape[-1]))
+        explore = torch.rand(obs.shape[0], device=obs.device) < epsilon
+        random_actions = torch.randint(n_act, (obs.shape[0],), device=obs.device)
+        return torch.where(explore, random_actions, q_values.argmax(dim=2).flatten())
+
+    return policy
+
+
 def make_update(q_network, target_network, optimizer, storage, gamma):
     """One gradient step on the minibatch at rows `idx` of the replay storage. The gradient comes
     from torch.func and the step from `Adam`, so that gather, both forward passes, backward and
@@ -294,6 +339,31 @@ def make_update(q_network, target_network, optimizer, storage, gamma):
         grads, (loss, old_val) = torch.func.grad_and_value(td_loss, has_aux=True)(optimizer.params, batch["obs"], batch["actions"], td_target)
         optimizer.step(grads)
         return torch.stack([loss, old_val.mean()]).detach()
+
+    return update
+
+
+def make_seeds_update(params, target_params, optimizer, storage, gamma, num_seeds):
+    """make_update for stacked seeds, one graph for all. `idx` holds num_seeds blocks of
+    batch_size rows, block k read from seed k's column of the storage ([buffer_size, seeds, ...]).
+    The sum of the seeds' losses is differentiated: seed k's part of its gradient is its own loss's
+    gradient, and Adam is elementwise, so one step over the stack is num_seeds independent steps.
+    Returns the metrics as one [len(METRICS), seeds] tensor."""
+    seeds = torch.arange(num_seeds, device=next(iter(storage.values())).device).unsqueeze(1)
+
+    def td_loss(params, obs, actions, td_target):
+        old_val = seeds_q_values(params, obs).gather(2, actions.unsqueeze(2)).squeeze(2)
+        losses = (td_target - old_val).square().mean(dim=1)
+        return losses.sum(), (losses, old_val)
+
+    def update(idx):
+        batch = {key: value[idx.view(num_seeds, -1), seeds] for key, value in storage.items()}
+        with torch.no_grad():
+            target_max = seeds_q_values(target_params, batch["next_obs"]).max(dim=2).values
+            td_target = batch["rewards"] + gamma * target_max * (1 - batch["dones"])
+        grads, (_, (losses, old_val)) = torch.func.grad_and_value(td_loss, has_aux=True)(optimizer.params, batch["obs"], batch["actions"], td_target)
+        optimizer.step(grads)
+        return torch.stack([losses, old_val.mean(dim=1)]).detach()
 
     return update
 
@@ -321,7 +391,7 @@ def evaluate(q_network, args, run_name, device):
 # checkpoints and the summary line. Nothing in it is specific to one algorithm.
 
 # One rule per flag, the same in every script that has the flag.
-COUNTS = ("num_envs", "num_steps", "num_minibatches", "update_epochs", "batch_size", "buffer_size",
+COUNTS = ("num_seeds", "num_envs", "num_steps", "num_minibatches", "update_epochs", "batch_size", "buffer_size",
           "train_frequency", "target_network_frequency", "policy_frequency")
 RULES = {
     "seed": (lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)"),
@@ -392,18 +462,27 @@ class Run:
     """Around the training loop: the folder runs/<run_name> (TensorBoard events when tensorboard
     is installed, curve.csv, the checkpoint), wandb with --track, the progress bar, steps/s after
     warm-up, SIGTERM handled as Ctrl-C, and the one-line JSON summary. Under torchrun only rank 0
-    writes, prints, tracks, saves and evaluates."""
+    writes, prints, tracks, saves and evaluates.
 
-    def __init__(self, args, total_steps, warmup_updates=3, rank=0):
+    --num-seeds: one Run per seed, each with its own folder, checkpoint and wandb run (one group);
+    the first is the `lead` of the others: it alone handles SIGTERM, shows the bar and prints the
+    summary, all three for every seed, and finishes last."""
+
+    def __init__(self, args, total_steps, warmup_updates=3, rank=0, lead=None):
         self.args, self.warmup_updates, self.main = args, warmup_updates, rank == 0
-        self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        self.lead, self.seeds, self.eval_return = lead or self, [self], None
+        if lead:
+            lead.seeds.append(self)
+        self.time = lead.time if lead else int(time.time())
+        self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{self.time}"
         self.dir = f"runs/{self.name}"
         self.wandb = self.writer = self.last_good = self.stop_reason = self.warmup_s = self.last_sps = None
         self.interrupted, self.returns = False, deque(maxlen=10)
         self.step = self.updates = self.warm_step = 0
         self.total_steps, self.bar = total_steps, None
         self.start = self.warm_time = time.perf_counter()
-        signal.signal(signal.SIGTERM, self.on_sigterm)
+        if not lead:
+            signal.signal(signal.SIGTERM, self.on_sigterm)
         if not self.main:
             self.curve = open(os.devnull, "w")
             return
@@ -425,9 +504,12 @@ class Run:
             self.writer = SummaryWriter(self.dir)
             self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
         except ImportError:
-            print("notice: tensorboard is not installed; metrics go to --track only (pip install tensorboard)", file=sys.stderr)
+            if not lead:
+                print("notice: tensorboard is not installed; metrics go to --track only (pip install tensorboard)", file=sys.stderr)
         if self.wandb:
-            self.wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=self.name, save_code=True)
+            # Several runs live at once only with reinit="create_new" (wandb 0.19.10 or later).
+            seeds = {"group": self.lead.name, "reinit": "create_new"} if getattr(args, "num_seeds", 1) > 1 else {}
+            self.wandb = self.wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=self.name, save_code=True, **seeds)
 
     def on_sigterm(self, signum, frame):
         """Schedulers stop jobs with SIGTERM: end the run as Ctrl-C does, saving first."""
@@ -457,6 +539,10 @@ class Run:
                 self.returns.append(float(r))
                 self.scalars(step, {"charts/episodic_return": float(r), "charts/episodic_length": int(n)})
 
+    def seed_returns(self):
+        """Each seed's mean return over its last 10 episodes (None before its first), in seed order."""
+        return [float(np.mean(run.returns)) if run.returns else None for run in self.seeds]
+
     def sps(self):
         if self.warmup_s is None or self.step <= self.warm_step:
             return None
@@ -466,15 +552,16 @@ class Run:
         """A log point: steps/s (from the first log point with `warmup_updates` updates done, when
         every compiled callable has run), bar, curve, metrics, and the weights as last good if
         they are finite (with --save-model)."""
-        self.bar = self.bar or tqdm.tqdm(total=self.total_steps, file=sys.stderr, disable=not self.main)
-        self.bar.update(step - self.step)
+        self.bar = self.bar or tqdm.tqdm(total=self.total_steps * len(self.seeds), file=sys.stderr, disable=not self.main or self.lead is not self)
+        self.bar.update((step - self.step) * len(self.seeds))
         self.step, self.updates, now = step, updates, time.perf_counter()
         if self.warmup_s is None and updates >= self.warmup_updates:
             self.warmup_s, self.warm_step, self.warm_time = now - self.start, step, now
         # The summary's steps/s is the last log point's: closing envs and saving are not training.
         sps = self.last_sps = self.sps()
         mean_return = np.mean(self.returns) if self.returns else float("nan")
-        self.bar.set_description(f"sps={sps or float('nan'):6.0f} return={mean_return:8.2f}")
+        means = [m for m in self.seed_returns() if m is not None]
+        self.bar.set_description(f"sps={(sps or float('nan')) * len(self.seeds):6.0f} return={np.mean(means) if means else float('nan'):8.2f}")
         if self.returns:
             self.curve.write(f"{step},{now - self.start:.3f},{mean_return:.3f}\n")
         self.scalars(step, {**metrics, "charts/SPS": sps or 0.0})
@@ -492,7 +579,7 @@ class Run:
         handlers = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if self.bar:
             self.bar.close()
-        if self.interrupted and self.main:
+        if self.interrupted and self.main and self.lead is self:
             print(f"notice: interrupted at step {self.step}; saving what there is", file=sys.stderr)
         checkpoint, state = None, self.last_good
         if self.args.save_model and self.main:
@@ -502,18 +589,20 @@ class Run:
             if state is None:
                 print("notice: the weights were never finite at a log point; no checkpoint saved", file=sys.stderr)
             else:
-                model = {name: {k: v.detach().cpu() for k, v in sd.items()} for name, sd in state.items()}
+                # A copy: a seed's weights are a view of all seeds' storage, which torch.save writes whole.
+                model = {name: {k: v.detach().to("cpu", copy=True) for k, v in sd.items()} for name, sd in state.items()}
                 saved = {"algorithm": ALGORITHM, "env_id": self.args.env_id, "args": vars(self.args), "model": model}
                 checkpoint = atomic_save(saved, f"{self.dir}/{self.args.exp_name}.pt")
                 print(f"notice: model saved to {checkpoint}", file=sys.stderr)
         eval_return = None
-        if self.args.eval_episodes > 0 and self.main and self.stop_reason is None and not self.interrupted:
+        if self.args.eval_episodes > 0 and self.main and self.stop_reason is None and not (self.interrupted or self.lead.interrupted):
             signal.signal(signal.SIGINT, handlers[0])
             signal.signal(signal.SIGTERM, handlers[1])
             try:
                 eval_return = evaluate()
             except KeyboardInterrupt:
                 self.interrupted = self.interrupted or signal.SIGINT
+                self.lead.interrupted = self.lead.interrupted or self.interrupted
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         self.curve.close()
@@ -521,12 +610,22 @@ class Run:
             self.writer.close()
         if self.wandb:
             self.wandb.finish()
+        self.eval_return = eval_return
+        if self.lead is not self:
+            signal.signal(signal.SIGINT, handlers[0])
+            signal.signal(signal.SIGTERM, handlers[1])
+            return
+        returns, evals = self.seed_returns(), [run.eval_return for run in self.seeds]
+        found = [m for m in returns if m is not None]
+        per_seed = {"episodic_returns": [None if m is None else round(m, 3) for m in returns],
+                    "eval_returns": [None if m is None else round(m, 3) for m in evals]}
         summary = {
-            "script": os.path.basename(__file__), "env_id": self.args.env_id, "seed": self.args.seed,
+            "script": os.path.basename(__file__), "env_id": self.args.env_id, "seed": self.args.seed, "num_seeds": len(self.seeds),
             "compile": getattr(self.args, "compile", False), "cudagraphs": False, **fields,
-            "total_steps": self.step, "updates": self.updates, "wall_s": wall_s, "sps": end_sps,
-            "warmup_s": self.warmup_s, "episodic_return": np.mean(self.returns) if self.returns else None,
-            "eval_return": eval_return, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "total_steps": self.step, "updates": self.updates, "wall_s": wall_s, "sps": end_sps and end_sps * len(self.seeds),
+            "warmup_s": self.warmup_s, "episodic_return": np.mean(found) if found else None,
+            **(per_seed if len(self.seeds) > 1 else {}),
+            "eval_return": np.mean(evals) if None not in evals else None, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "interrupted": bool(self.interrupted), "checkpoint": checkpoint, "run_dir": self.dir,
         }
         # Strict JSON: non-finite numbers become null.
@@ -544,19 +643,30 @@ def main(args: Args):
     check_args(args)
     if args.batch_size > args.buffer_size:
         fail(f"--batch-size {args.batch_size} is larger than --buffer-size {args.buffer_size}: make the buffer hold a batch")
-    num_iterations = args.total_timesteps // args.num_envs
+    num_seeds, num_iterations = args.num_seeds, args.total_timesteps // args.num_envs
+    if args.seed + num_seeds > 2**32:
+        fail(f"--seed {args.seed} + --num-seeds {num_seeds} passes 2**32: use a smaller seed")
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    if num_seeds > 1:
+        # One line before num_seeds x num_envs envs are made: rows of float32 obs and next_obs,
+        # an int64 action, a float32 reward and done flag, buffer_size of them per seed.
+        probe = make_envs(args, "probe", 1)
+        row_bytes = 8 * math.prod(probe.single_observation_space.shape) + 16
+        probe.close()
+        check_memory(num_seeds * args.buffer_size * row_bytes, device, f"--num-seeds {num_seeds} with --buffer-size {args.buffer_size}")
     run = Run(args, num_iterations * args.num_envs)
+    runs = [run] + [Run(replace(args, seed=args.seed + k), run.total_steps, lead=run) for k in range(1, num_seeds)]
 
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
-    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     cudagraphs = args.cudagraphs and device.type == "cuda"
     if args.cudagraphs and not cudagraphs:
         print("notice: --cudagraphs needs a CUDA device; running without CUDA graphs", file=sys.stderr)
 
-    envs = make_envs(args, run.name, args.num_envs, args.capture_video)
+    # Sub-env k * num_envs + i is env i of seed k.
+    envs = make_envs(args, run.name, num_seeds * args.num_envs, args.capture_video)
     n_obs = math.prod(envs.single_observation_space.shape)
     n_act = int(envs.single_action_space.n)
 
@@ -564,20 +674,40 @@ def main(args: Args):
     if args.load_model:
         load_checkpoint(args.load_model, {"q_network": q_network}, args.env_id)
     target_network = QNetwork(n_obs, n_act, device=device)
-    q_params, target_params = from_module(q_network).data, from_module(target_network).data
-    target_params.copy_(q_params)
-    # On CUDA, Adam's step counts live on the device (capturable), so the update never syncs.
-    optimizer = Adam(q_network.named_parameters(), args.learning_rate, capturable=device.type == "cuda")
 
     # Blocks of train_frequency steps (whole vector steps, at most the buffer) go to the device at once.
     stage_steps = max(1, min(-(-args.train_frequency // args.num_envs), args.buffer_size // args.num_envs))
-    fields = {"obs": ((n_obs,), torch.float32), "next_obs": ((n_obs,), torch.float32), "actions": ((), torch.int64),
-              "rewards": ((), torch.float32), "dones": ((), torch.float32)}
+    # With several seeds a row holds one transition of each seed: [buffer_size, seeds, ...].
+    seed_dim = (num_seeds,) if num_seeds > 1 else ()
+    fields = {"obs": ((*seed_dim, n_obs), torch.float32), "next_obs": ((*seed_dim, n_obs), torch.float32),
+              "actions": (seed_dim, torch.int64), "rewards": (seed_dim, torch.float32), "dones": (seed_dim, torch.float32)}
     rb = ReplayBuffer(args.buffer_size, fields, stage_steps * args.num_envs, device)
 
+    def rows(x):
+        """Per-sub-env values as buffer rows: env i of every seed in row i."""
+        return x if num_seeds == 1 else x.reshape(num_seeds, args.num_envs, *x.shape[1:]).swapaxes(0, 1)
+
     epsilon = torch.tensor(args.start_e, device=device)
-    policy = make_policy(q_network, epsilon, n_act)
-    update = make_update(q_network, target_network, optimizer, rb.storage, args.gamma)
+    # On CUDA, Adam's step counts live on the device (capturable), so the update never syncs.
+    capturable, q_networks = device.type == "cuda", [q_network]
+    if num_seeds == 1:
+        q_params, target_params = from_module(q_network).data, from_module(target_network).data
+        target_params.copy_(q_params)
+        optimizer = Adam(q_network.named_parameters(), args.learning_rate, capturable=capturable)
+        policy = make_policy(q_network, epsilon, n_act)
+        update = make_update(q_network, target_network, optimizer, rb.storage, args.gamma)
+    else:
+        for k in range(1, num_seeds):
+            # Seed k starts from the weights a single run of seed + k starts from.
+            torch.manual_seed(args.seed + k)
+            q_networks.append(QNetwork(n_obs, n_act, device=device))
+            if args.load_model:
+                load_checkpoint(args.load_model, {"q_network": q_networks[k]}, args.env_id)
+        q_params = stack_seeds(q_networks)
+        target_params = q_params.clone()
+        optimizer = Adam(q_params.items(), args.learning_rate, capturable=capturable)
+        policy = make_seeds_policy(dict(q_params.items()), epsilon, n_act, num_seeds)
+        update = make_seeds_update(dict(q_params.items()), dict(target_params.items()), optimizer, rb.storage, args.gamma, num_seeds)
     # What --compile compiles (2-core CPU, torch 2.13, one thread, batch 128):
     # - update: 1.5 ms eager, 0.38 ms compiled (one graph: 11 matmuls and 9 fused kernels),
     #   0.33 ms with inductor's C++ wrapper, which drops the Python glue between kernels (CPU only);
@@ -593,8 +723,9 @@ def main(args: Args):
 
     global_step = updates = 0
     metrics, epsilon_value = None, args.start_e
-    obs, _ = envs.reset(seed=args.seed)
-    obs = obs.reshape(args.num_envs, n_obs).astype(np.float32, copy=False)
+    # Env i of seed k gets the env seed a single run of seed + k gives it.
+    obs, _ = envs.reset(seed=[args.seed + k + i for k in range(num_seeds) for i in range(args.num_envs)])
+    obs = obs.reshape(num_seeds * args.num_envs, n_obs).astype(np.float32, copy=False)
     try:
         # Gradients come from torch.func inside the update, which this context does not reach.
         with torch.no_grad():
@@ -607,17 +738,21 @@ def main(args: Args):
                 actions = policy(torch.from_numpy(obs).to(device)).cpu().numpy()
                 next_obs, rewards, terminations, truncations, infos = envs.step(actions)
                 global_step += args.num_envs
-                run.episodes(global_step, infos)
+                if num_seeds == 1:
+                    run.episodes(global_step, infos)
+                elif "final_info" in infos:
+                    for k, seed_run in enumerate(runs):
+                        seed_run.episodes(global_step, seed_slice(infos["final_info"], k, args.num_envs))
 
                 # The done flag is the termination only: a time-limit truncation still bootstraps
                 # from the true last observation (see make_envs for the autoreset).
-                next_obs = next_obs.reshape(args.num_envs, n_obs).astype(np.float32, copy=False)
-                rb.add(obs=obs, next_obs=real_next_obs(next_obs, infos), actions=actions, rewards=rewards, dones=terminations)
+                next_obs = next_obs.reshape(num_seeds * args.num_envs, n_obs).astype(np.float32, copy=False)
+                rb.add(obs=rows(obs), next_obs=rows(real_next_obs(next_obs, infos)), actions=rows(actions), rewards=rows(rewards), dones=rows(terminations))
                 obs = next_obs
 
                 if global_step > args.learning_starts:
                     for _ in range(crossings(global_step, args.num_envs, args.train_frequency)):
-                        idx = rb.sample(args.batch_size)
+                        idx = rb.sample(num_seeds * args.batch_size)
                         if cudagraphs:
                             torch.compiler.cudagraph_mark_step_begin()
                         # The graphed output is overwritten by the next call; only the latest is read.
@@ -628,15 +763,22 @@ def main(args: Args):
 
                 if crossings(global_step, args.num_envs, LOG_EVERY) or iteration == num_iterations - 1:
                     # note: the loop's only host sync is here, at the log points
-                    stats = dict(zip(METRICS, metrics.tolist())) if metrics is not None else {}
-                    if stats and not math.isfinite(stats["losses/td_loss"]):
-                        run.stop_reason = f"non-finite td_loss {stats['losses/td_loss']} at step {global_step}"
+                    seed_stats = [dict(zip(METRICS, values)) for values in metrics.view(len(METRICS), -1).T.tolist()] if metrics is not None else [{}] * num_seeds
+                    diverged = [k for k, stats in enumerate(seed_stats) if stats and not math.isfinite(stats["losses/td_loss"])]
+                    if diverged:
+                        k = diverged[0]
+                        for seed_run in runs:
+                            seed_run.stop_reason = f"non-finite td_loss {seed_stats[k]['losses/td_loss']} at step {global_step}" + (f" (seed {args.seed + k})" if num_seeds > 1 else "")
                         break
-                    run.log(global_step, updates, {**stats, "charts/epsilon": epsilon_value}, {"q_network": q_network})
+                    for seed_run, stats, net in zip(runs, seed_stats, q_networks):
+                        seed_run.log(global_step, updates, {**stats, "charts/epsilon": epsilon_value}, {"q_network": net})
     except KeyboardInterrupt:
-        run.interrupted = run.interrupted or signal.SIGINT
+        for seed_run in runs:
+            seed_run.interrupted = run.interrupted or signal.SIGINT
     envs.close()
-    run.finish(global_step, updates, {"q_network": q_network}, lambda: evaluate(q_network, args, run.name, device), device=device.type, cudagraphs=cudagraphs)
+    # The lead finishes last: its summary reports every seed.
+    for seed_run, net in reversed(list(zip(runs, q_networks))):
+        seed_run.finish(global_step, updates, {"q_network": net}, lambda: evaluate(net, seed_run.args, seed_run.name, device), device=device.type, cudagraphs=cudagraphs)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,191 @@
+"""`--num-seeds N` in the lean DQN script: the stacked update against N single-seed updates
+(eager and compiled), independence of the seeds, the stacked policy, smoke runs with their
+folders, checkpoints and wandb runs, bad input, and every seed learning CartPole."""
+
+import copy
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+from tensordict import from_module
+
+from conftest import TINY, assert_one_line_error, load_script, run_script, scripts
+from test_dqn import LEARNING, LEARNING_THRESHOLD
+
+PATH = scripts("dqn_torchcompile.py")[0]
+N, N_OBS, N_ACT, BUFFER, BATCH = 3, 4, 2, 500, 32
+
+
+@pytest.fixture(scope="module")
+def lean():
+    return load_script(PATH)
+
+
+def seeds_case(lean, seed=0):
+    """N Q-networks with their targets, and N filled single-seed storages."""
+    torch.manual_seed(seed)
+    nets = [lean.QNetwork(N_OBS, N_ACT) for _ in range(N)]
+    targets = [lean.QNetwork(N_OBS, N_ACT) for _ in range(N)]
+    fields = {"obs": ((N_OBS,), torch.float32), "next_obs": ((N_OBS,), torch.float32), "actions": ((), torch.int64),
+              "rewards": ((), torch.float32), "dones": ((), torch.float32)}
+    storages = []
+    for _ in range(N):
+        storage = lean.ReplayBuffer(BUFFER, fields, 10, "cpu").storage
+        storage["obs"].normal_()
+        storage["next_obs"].normal_()
+        storage["actions"].random_(0, N_ACT)
+        storage["rewards"].normal_()
+        storage["dones"].bernoulli_(0.1)
+        storages.append(storage)
+    generator = torch.Generator().manual_seed(seed + 1)
+    batches = [torch.randint(BUFFER, (N, BATCH), generator=generator) for _ in range(5)]
+    return nets, targets, storages, batches
+
+
+def stacked(lean, nets, targets, storages, learning_rate=2.5e-4):
+    """The script's --num-seeds set-up over copies of `nets`, `targets` and `storages`: stacked
+    parameters, one Adam, the storage as [buffer_size, seeds, ...], the seeds' update."""
+    nets = copy.deepcopy(nets)
+    params = lean.stack_seeds(nets)
+    target_params = lean.stack_seeds(copy.deepcopy(targets))
+    storage = {key: torch.stack([s[key] for s in storages], dim=1) for key in storages[0]}
+    optimizer = lean.Adam(params.items(), learning_rate)
+    update = lean.make_seeds_update(dict(params.items()), dict(target_params.items()), optimizer, storage, 0.99, N)
+    return nets, params, target_params, update
+
+
+def single(lean, net, target, storage, learning_rate=2.5e-4):
+    """Today's single-seed update on copies of one seed's network and target."""
+    net, target = copy.deepcopy(net), copy.deepcopy(target)
+    update = lean.make_update(net, target, lean.Adam(net.named_parameters(), learning_rate), storage, 0.99)
+    return net, target, update
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_stacked_update_is_n_single_updates(lean, compiled):
+    """N=3 stacked seeds against 3 separate single-seed updates from the same parameters, on
+    the same 5 batches, with a target copy after the third. Tolerance: float32, and a batched
+    matmul sums in another order than a single one (differences seen: 3e-7 in the metrics, 9e-8
+    in the parameters)."""
+    nets, targets, storages, batches = seeds_case(lean)
+    seed_nets, params, target_params, update = stacked(lean, nets, targets, storages)
+    singles = [single(lean, nets[k], targets[k], storages[k]) for k in range(N)]
+    if compiled:
+        update = torch.compile(update, options={"cpp_wrapper": True})
+    for step, idx in enumerate(batches):
+        if step == 3:
+            target_params.lerp_(params, 1.0)
+            for net, target, _ in singles:
+                from_module(target).data.lerp_(from_module(net).data, 1.0)
+        metrics = update(idx.flatten())
+        assert metrics.shape == (len(lean.METRICS), N)
+        for k, (net, _, single_update) in enumerate(singles):
+            torch.testing.assert_close(metrics[:, k], single_update(idx[k]), rtol=1e-5, atol=1e-6)
+            for name, value in net.state_dict().items():
+                torch.testing.assert_close(seed_nets[k].state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=f"seed {k} {name}")
+
+
+@pytest.mark.parametrize("change", ["batch", "data", "params"])
+def test_changing_one_seed_changes_no_other_seed(lean, change):
+    """Seed 1's batch indices, its stored transitions or its parameters changed: seeds 0 and 2
+    update exactly as before (bit for bit), and seed 1 differently."""
+    results = []
+    for changed in (False, True):
+        nets, targets, storages, batches = seeds_case(lean)
+        if changed and change == "params":
+            nets[1].network[0].weight.data.mul_(1.5)
+        if changed and change == "data":
+            storages[1]["rewards"].add_(1.0)
+        if changed and change == "batch":
+            batches = [torch.cat([idx[:1], idx[1:2].flip(1) // 2, idx[2:]]) for idx in batches]
+        seed_nets, _, _, update = stacked(lean, nets, targets, storages)
+        metrics = [update(idx.flatten()) for idx in batches]
+        results.append((torch.stack(metrics), [from_module(net).data.clone() for net in seed_nets]))
+    (before, nets_before), (after, nets_after) = results
+    for k in (0, 2):
+        torch.testing.assert_close(after[:, :, k], before[:, :, k], rtol=0, atol=0)
+        torch.testing.assert_close(nets_after[k], nets_before[k], rtol=0, atol=0)
+    assert not torch.equal(after[:, :, 1], before[:, :, 1])
+
+
+def test_stacked_policy_acts_as_each_seeds_network(lean):
+    """At epsilon 0, sub-env block k acts greedily on seed k's network; at epsilon 1, at random."""
+    nets, _, _, _ = seeds_case(lean)
+    params = lean.stack_seeds(nets)
+    epsilon = torch.tensor(0.0)
+    policy = lean.make_seeds_policy(dict(params.items()), epsilon, N_ACT, N)
+    obs = torch.randn(N * 64, N_OBS)
+    with torch.no_grad():
+        expected = torch.cat([net(block).argmax(dim=1) for net, block in zip(nets, obs.view(N, 64, N_OBS))])
+        torch.testing.assert_close(policy(obs), expected, rtol=0, atol=0)
+        epsilon.copy_(1.0)
+        # 192 draws of 2 actions: the standard error of the mean is 0.036; 0.2 is over 5 of them.
+        assert abs(policy(obs).float().mean() - 0.5) < 0.2
+
+
+# ---------------------------------------------------------------- runs
+
+
+def seed_dirs(workdir):
+    return sorted((Path(workdir) / "runs").iterdir(), key=lambda d: int(d.name.split("__")[2]))
+
+
+@pytest.mark.parametrize("mode", [[], ["--compile"]], ids=["eager", "compile"])
+def test_two_seeds_run_with_a_folder_each(mode, workdir):
+    summary, _ = run_script(PATH, *TINY["dqn"], *mode, "--num-seeds", 2, "--seed", 5, "--eval-episodes", 1, cwd=workdir)
+    assert summary["num_seeds"] == 2 and summary["updates"] > 0 and summary["total_steps"] == 400
+    assert len(summary["episodic_returns"]) == len(summary["eval_returns"]) == 2
+    assert None not in summary["episodic_returns"] and None not in summary["eval_returns"]
+    assert summary["episodic_return"] == pytest.approx(sum(summary["episodic_returns"]) / 2, abs=1e-3)
+    assert summary["eval_return"] == pytest.approx(sum(summary["eval_returns"]) / 2, abs=1e-3)
+    dirs = seed_dirs(workdir)
+    assert [d.name.split("__")[2] for d in dirs] == ["5", "6"]
+    assert len({d.name.split("__")[3] for d in dirs}) == 1  # one time stamp for the group
+    for d in dirs:
+        rows = list(csv.DictReader(open(d / "curve.csv")))
+        assert rows and int(rows[-1]["step"]) == 400, d
+
+
+def test_a_seeds_checkpoint_loads_into_the_single_seed_script(workdir):
+    """Seed 6's checkpoint, evaluated by the single-seed script as seed 6 (the same evaluation
+    env seed), gives the return the two-seed run reported for it: the same greedy network."""
+    summary, _ = run_script(PATH, *TINY["dqn"], "--num-seeds", 2, "--seed", 5, "--save-model", "--eval-episodes", 1, cwd=workdir)
+    checkpoints = [next(d.glob("*.pt")) for d in seed_dirs(workdir)]
+    assert str(checkpoints[0]).endswith(summary["checkpoint"])
+    saved = torch.load(checkpoints[1], weights_only=True)
+    assert saved["args"]["seed"] == 6 and set(saved["model"]) == {"q_network"}
+    # Each seed's own weights, not a view of both seeds' storage.
+    assert saved["model"]["q_network"]["network.0.weight"].shape == (120, 4)
+    loaded, _ = run_script(PATH, "--load-model", checkpoints[1], "--total-timesteps", 0, "--eval-episodes", 1, "--seed", 6, cwd=workdir)
+    assert loaded["num_seeds"] == 1 and "episodic_returns" not in loaded
+    assert loaded["eval_return"] == summary["eval_returns"][1]
+
+
+def test_track_makes_one_wandb_run_per_seed(workdir):
+    summary, _ = run_script(PATH, *TINY["dqn"], "--num-seeds", 2, "--track", cwd=workdir, env={"WANDB_MODE": "offline"})
+    assert summary["updates"] > 0
+    assert len(list((Path(workdir) / "wandb").glob("offline-run-*"))) == 2
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--num-seeds", 0], ["--num-seeds", "1 or more"]),
+    (["--num-seeds", 4, "--buffer-size", 10**12], ["--num-seeds 4", "GiB"]),
+], ids=["zero", "no-memory"])
+def test_bad_num_seeds_is_one_line(argv, words, workdir):
+    _, proc = run_script(PATH, *argv, cwd=workdir, check=False)
+    assert_one_line_error(proc, *words)
+    assert proc.returncode == 2
+
+
+# ---------------------------------------------------------------- learning
+
+
+@pytest.mark.learning
+def test_every_seed_of_four_learns_cartpole(workdir):
+    """Each of 4 seeds, trained at once, reaches the single-seed learning test's threshold on its
+    budget (30k steps each)."""
+    summary, _ = run_script(PATH, *LEARNING, "--compile", "--num-seeds", 4, cwd=workdir, timeout=1200)
+    print("per-seed returns:", summary["episodic_returns"])
+    assert summary["total_steps"] == 30_000 and summary["num_seeds"] == 4
+    assert all(r is not None and r >= LEARNING_THRESHOLD for r in summary["episodic_returns"]), summary
