@@ -233,7 +233,7 @@ def evaluate(agent, obs_rms, args, run_name, device):
 # checkpoints and the summary line. Nothing in it is specific to one algorithm.
 
 # One rule per flag, the same in every script that has the flag.
-COUNTS = ("num_envs", "num_steps", "num_minibatches", "update_epochs", "batch_size", "buffer_size",
+COUNTS = ("num_seeds", "num_envs", "num_steps", "num_minibatches", "update_epochs", "batch_size", "buffer_size",
           "train_frequency", "target_network_frequency", "policy_frequency")
 RULES = {
     "seed": (lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)"),
@@ -304,18 +304,27 @@ class Run:
     """Around the training loop: the folder runs/<run_name> (TensorBoard events when tensorboard
     is installed, curve.csv, the checkpoint), wandb with --track, the progress bar, steps/s after
     warm-up, SIGTERM handled as Ctrl-C, and the one-line JSON summary. Under torchrun only rank 0
-    writes, prints, tracks, saves and evaluates."""
+    writes, prints, tracks, saves and evaluates.
 
-    def __init__(self, args, total_steps, warmup_updates=3, rank=0):
+    --num-seeds: one Run per seed, each with its own folder, checkpoint and wandb run (one group);
+    the first is the `lead` of the others: it alone handles SIGTERM, shows the bar and prints the
+    summary, all three for every seed, and finishes last."""
+
+    def __init__(self, args, total_steps, warmup_updates=3, rank=0, lead=None):
         self.args, self.warmup_updates, self.main = args, warmup_updates, rank == 0
-        self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        self.lead, self.seeds, self.eval_return = lead or self, [self], None
+        if lead:
+            lead.seeds.append(self)
+        self.time = lead.time if lead else int(time.time())
+        self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{self.time}"
         self.dir = f"runs/{self.name}"
         self.wandb = self.writer = self.last_good = self.stop_reason = self.warmup_s = self.last_sps = None
         self.interrupted, self.returns = False, deque(maxlen=10)
         self.step = self.updates = self.warm_step = 0
         self.total_steps, self.bar = total_steps, None
         self.start = self.warm_time = time.perf_counter()
-        signal.signal(signal.SIGTERM, self.on_sigterm)
+        if not lead:
+            signal.signal(signal.SIGTERM, self.on_sigterm)
         if not self.main:
             self.curve = open(os.devnull, "w")
             return
@@ -337,9 +346,12 @@ class Run:
             self.writer = SummaryWriter(self.dir)
             self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
         except ImportError:
-            print("notice: tensorboard is not installed; metrics go to --track only (pip install tensorboard)", file=sys.stderr)
+            if not lead:
+                print("notice: tensorboard is not installed; metrics go to --track only (pip install tensorboard)", file=sys.stderr)
         if self.wandb:
-            self.wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=self.name, save_code=True)
+            # Several runs live at once only with reinit="create_new" (wandb 0.19.10 or later).
+            seeds = {"group": self.lead.name, "reinit": "create_new"} if getattr(args, "num_seeds", 1) > 1 else {}
+            self.wandb = self.wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=self.name, save_code=True, **seeds)
 
     def on_sigterm(self, signum, frame):
         """Schedulers stop jobs with SIGTERM: end the run as Ctrl-C does, saving first."""
@@ -369,6 +381,10 @@ class Run:
                 self.returns.append(float(r))
                 self.scalars(step, {"charts/episodic_return": float(r), "charts/episodic_length": int(n)})
 
+    def seed_returns(self):
+        """Each seed's mean return over its last 10 episodes (None before its first), in seed order."""
+        return [float(np.mean(run.returns)) if run.returns else None for run in self.seeds]
+
     def sps(self):
         if self.warmup_s is None or self.step <= self.warm_step:
             return None
@@ -378,15 +394,16 @@ class Run:
         """A log point: steps/s (from the first log point with `warmup_updates` updates done, when
         every compiled callable has run), bar, curve, metrics, and the weights as last good if
         they are finite (with --save-model)."""
-        self.bar = self.bar or tqdm.tqdm(total=self.total_steps, file=sys.stderr, disable=not self.main)
-        self.bar.update(step - self.step)
+        self.bar = self.bar or tqdm.tqdm(total=self.total_steps * len(self.seeds), file=sys.stderr, disable=not self.main or self.lead is not self)
+        self.bar.update((step - self.step) * len(self.seeds))
         self.step, self.updates, now = step, updates, time.perf_counter()
         if self.warmup_s is None and updates >= self.warmup_updates:
             self.warmup_s, self.warm_step, self.warm_time = now - self.start, step, now
         # The summary's steps/s is the last log point's: closing envs and saving are not training.
         sps = self.last_sps = self.sps()
         mean_return = np.mean(self.returns) if self.returns else float("nan")
-        self.bar.set_description(f"sps={sps or float('nan'):6.0f} return={mean_return:8.2f}")
+        means = [m for m in self.seed_returns() if m is not None]
+        self.bar.set_description(f"sps={(sps or float('nan')) * len(self.seeds):6.0f} return={np.mean(means) if means else float('nan'):8.2f}")
         if self.returns:
             self.curve.write(f"{step},{now - self.start:.3f},{mean_return:.3f}\n")
         self.scalars(step, {**metrics, "charts/SPS": sps or 0.0})
@@ -404,7 +421,7 @@ class Run:
         handlers = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if self.bar:
             self.bar.close()
-        if self.interrupted and self.main:
+        if self.interrupted and self.main and self.lead is self:
             print(f"notice: interrupted at step {self.step}; saving what there is", file=sys.stderr)
         checkpoint, state = None, self.last_good
         if self.args.save_model and self.main:
@@ -414,18 +431,20 @@ class Run:
             if state is None:
                 print("notice: the weights were never finite at a log point; no checkpoint saved", file=sys.stderr)
             else:
-                model = {name: {k: v.detach().cpu() for k, v in sd.items()} for name, sd in state.items()}
+                # A copy: a seed's weights are a view of all seeds' storage, which torch.save writes whole.
+                model = {name: {k: v.detach().to("cpu", copy=True) for k, v in sd.items()} for name, sd in state.items()}
                 saved = {"algorithm": ALGORITHM, "env_id": self.args.env_id, "args": vars(self.args), "model": model}
                 checkpoint = atomic_save(saved, f"{self.dir}/{self.args.exp_name}.pt")
                 print(f"notice: model saved to {checkpoint}", file=sys.stderr)
         eval_return = None
-        if self.args.eval_episodes > 0 and self.main and self.stop_reason is None and not self.interrupted:
+        if self.args.eval_episodes > 0 and self.main and self.stop_reason is None and not (self.interrupted or self.lead.interrupted):
             signal.signal(signal.SIGINT, handlers[0])
             signal.signal(signal.SIGTERM, handlers[1])
             try:
                 eval_return = evaluate()
             except KeyboardInterrupt:
                 self.interrupted = self.interrupted or signal.SIGINT
+                self.lead.interrupted = self.lead.interrupted or self.interrupted
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         self.curve.close()
@@ -433,12 +452,22 @@ class Run:
             self.writer.close()
         if self.wandb:
             self.wandb.finish()
+        self.eval_return = eval_return
+        if self.lead is not self:
+            signal.signal(signal.SIGINT, handlers[0])
+            signal.signal(signal.SIGTERM, handlers[1])
+            return
+        returns, evals = self.seed_returns(), [run.eval_return for run in self.seeds]
+        found = [m for m in returns if m is not None]
+        per_seed = {"episodic_returns": [None if m is None else round(m, 3) for m in returns],
+                    "eval_returns": [None if m is None else round(m, 3) for m in evals]}
         summary = {
-            "script": os.path.basename(__file__), "env_id": self.args.env_id, "seed": self.args.seed,
+            "script": os.path.basename(__file__), "env_id": self.args.env_id, "seed": self.args.seed, "num_seeds": len(self.seeds),
             "compile": getattr(self.args, "compile", False), "cudagraphs": False, **fields,
-            "total_steps": self.step, "updates": self.updates, "wall_s": wall_s, "sps": end_sps,
-            "warmup_s": self.warmup_s, "episodic_return": np.mean(self.returns) if self.returns else None,
-            "eval_return": eval_return, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "total_steps": self.step, "updates": self.updates, "wall_s": wall_s, "sps": end_sps and end_sps * len(self.seeds),
+            "warmup_s": self.warmup_s, "episodic_return": np.mean(found) if found else None,
+            **(per_seed if len(self.seeds) > 1 else {}),
+            "eval_return": np.mean(evals) if None not in evals else None, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "interrupted": bool(self.interrupted), "checkpoint": checkpoint, "run_dir": self.dir,
         }
         # Strict JSON: non-finite numbers become null.
