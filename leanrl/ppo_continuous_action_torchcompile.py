@@ -11,6 +11,11 @@ device between two log points but the `--target-kl` check.
     python leanrl/ppo_continuous_action_torchcompile.py
     python leanrl/ppo_continuous_action_torchcompile.py --compile
     python leanrl/ppo_continuous_action_torchcompile.py --compile --cudagraphs
+
+Data-parallel over processes, GPUs and nodes when torchrun starts it: --num-envs is per process,
+each minibatch step averages the gradients over all of them, and rank 0 alone prints and saves.
+
+    torchrun --standalone --nproc_per_node 2 leanrl/ppo_continuous_action_torchcompile.py --compile
 """
 
 import importlib.util
@@ -24,10 +29,12 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass
+from datetime import timedelta
 
 import gymnasium as gym
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import tqdm
 import tyro
@@ -103,6 +110,10 @@ class Args:
     """whether to use torch.compile on the hot callables"""
     cudagraphs: bool = False
     """whether to replay the hot callables as CUDA graphs (needs a CUDA device)"""
+    backend: str | None = None
+    """the torch.distributed backend under torchrun: gloo or nccl (default: nccl on CUDA, gloo on a CPU)"""
+    dist_timeout: float = 300.0
+    """seconds a rank under torchrun waits for the others (to start, at each collective) before it stops"""
 
 
 ALGORITHM = "ppo_continuous_action"
@@ -276,12 +287,19 @@ def make_gae(gamma, gae_lambda):
     return gae
 
 
-def make_update(agent, optimizer, args):
+def make_update(agent, optimizer, args, world_size=1):
     """One minibatch step on the rows `idx` of the rollout: gather, forward, backward
     (torch.func), `clip_grad_norm_`'s arithmetic on the gradients and `Adam`, as one function
     that compiles to one graph. Written with `loss.backward()` and `optim.Adam.step()` it broke
     into three graphs with eager glue between them and cost about 3x more per call on a CPU.
-    Returns METRICS as one tensor that stays on the device."""
+    Returns METRICS as one tensor that stays on the device.
+
+    With `world_size` > 1 (under torchrun) the gradients and the metrics are averaged over the
+    ranks before clipping, as one flat buffer in one `all_reduce` inside the same graph (dynamo
+    traces it as a functional collective), so every rank takes the same Adam step and reads the
+    same `--target-kl` and non-finite checks. The average of the ranks' minibatch means is the
+    gradient of their minibatches together; advantages are normalized per rank, as in CleanRL's
+    multi-GPU PPO."""
     clip_coef, ent_coef, vf_coef = args.clip_coef, args.ent_coef, args.vf_coef
     norm_adv, clip_vloss, max_grad_norm = args.norm_adv, args.clip_vloss, args.max_grad_norm
 
@@ -322,6 +340,8 @@ def make_update(agent, optimizer, args):
     def update(obs, actions, logprobs, advantages, returns, values, idx):
         minibatch = (obs[idx], actions[idx], logprobs[idx], advantages[idx], returns[idx], values[idx])
         grads, metrics = grad_fn(optimizer.params, *minibatch)
+        if world_size > 1:
+            grads, metrics = all_reduce_mean(grads, metrics, world_size)
         # nn.utils.clip_grad_norm_
         grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
         clip = (max_grad_norm / (grad_norm + 1e-6)).clamp(max=1.0)
@@ -334,6 +354,107 @@ def make_update(agent, optimizer, args):
 METRICS = ["losses/value_loss", "losses/policy_loss", "losses/entropy", "losses/old_approx_kl", "losses/approx_kl", "losses/clipfrac"]
 
 CLIPFRAC, APPROX_KL = METRICS.index("losses/clipfrac"), METRICS.index("losses/approx_kl")
+
+
+def init_distributed(args):
+    """This process's (rank, world size, device). Under torchrun (WORLD_SIZE > 1 in the
+    environment) it joins the process group, gloo on a CPU and nccl on CUDA unless --backend
+    says otherwise, each rank on the GPU of its LOCAL_RANK; a single process makes no group.
+    Every collective waits at most --dist-timeout, so a rank that stops (Ctrl-C, a crash) never
+    leaves the others waiting for ever."""
+    cuda = torch.cuda.is_available() and args.cuda
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    backend = args.backend or ("nccl" if cuda else "gloo")
+    if args.backend is not None or world_size > 1:
+        if backend not in ("gloo", "nccl"):
+            fail(f"--backend {backend} is not supported: use gloo (CPU or CUDA) or nccl (CUDA)")
+        if not dist.is_available() or not getattr(dist, f"is_{backend}_available")():
+            fail(f"this torch build has no {backend} backend: use --backend {'gloo' if backend == 'nccl' else 'nccl'}")
+        if backend == "nccl" and not cuda:
+            fail("--backend nccl needs a CUDA device (and no --no-cuda): use --backend gloo on a CPU")
+    if world_size == 1:
+        return 0, 1, torch.device("cuda" if cuda else "cpu")
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cpu")
+    if cuda:
+        if backend == "nccl" and local_rank >= torch.cuda.device_count():
+            fail(f"rank {rank} has no GPU of its own ({torch.cuda.device_count()} visible; nccl needs one per process): start at most that many per node, or pass --backend gloo")
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    try:
+        dist.init_process_group(backend, timeout=timedelta(seconds=args.dist_timeout))
+    except Exception as e:  # the store, the backend and the rendezvous raise many types
+        fail(f"rank {rank} could not join the {world_size} processes ({error_line(e)}): check that every node runs the same torchrun command and reaches --rdzv-endpoint")
+    return rank, world_size, device
+
+
+def error_line(e):
+    """A torch.distributed error in one short line: gloo and c10d open theirs with the C++ source
+    location and go on for lines."""
+    line = (str(e).strip().splitlines() or [""])[0]
+    if line.startswith("[") and "] " in line:
+        line = line[line.index("] ") + 2:]
+    return f"{type(e).__name__}: {line[:160]}"
+
+def broadcast_parameters(params):
+    """Rank 0's parameters to every rank, as one flat buffer: the same initial weights whatever
+    each rank seeded or loaded."""
+    params = [p.detach() for p in params]
+    flat = torch.cat([p.reshape(-1) for p in params])
+    dist.broadcast(flat, src=0)
+    for p, new in zip(params, flat.split([p.numel() for p in params])):
+        p.copy_(new.view_as(p))
+
+
+def all_reduce_mean(grads, metrics, world_size):
+    """The mean over the ranks of the gradients (name -> tensor) and of the metrics, through one
+    flat buffer and one `all_reduce`: one collective per step, not one per parameter."""
+    flat = torch.cat([g.reshape(-1) for g in grads.values()] + [metrics])
+    dist.all_reduce(flat)
+    flat = flat / world_size
+    *parts, metrics = flat.split([g.numel() for g in grads.values()] + [metrics.numel()])
+    return {name: part.view(g.shape) for (name, g), part in zip(grads.items(), parts)}, metrics
+
+
+def episodes_of(step, infos):
+    """The episodes that ended in `infos`, as (global step, return, length), read as Run.episodes
+    reads them."""
+    info = infos.get("final_info", infos)
+    if "episode" not in info:
+        return []
+    done = info["_episode"]
+    return [(step, float(r), int(n)) for r, n in zip(info["episode"]["r"][done], info["episode"]["l"][done])]
+
+
+def gather_episodes(episodes, rank, world_size):
+    """Every rank's finished episodes of one iteration on rank 0, in step order, as the infos that
+    Run.episodes reads (an empty list on the other ranks). note: a host sync, once per iteration."""
+    gathered = [None] * world_size if rank == 0 else None
+    dist.gather_object(episodes, gathered, dst=0)
+    if rank != 0:
+        return []
+    one = np.array([True])
+    return [(step, {"episode": {"r": np.array([r]), "l": np.array([n])}, "_episode": one})
+            for step, r, n in sorted(e for rank_episodes in gathered for e in rank_episodes)]
+
+
+def finish_distributed(run, params, world_size, lost):
+    """At the end of a torchrun run: every rank's parameter checksum (rank 0's checkpoint must be
+    every rank's model; ranks that drifted apart stop the run with exit 1), then leave the group.
+    After Ctrl-C or a lost rank the others may be gone, so no collective is tried."""
+    fields = {}
+    if not run.interrupted and not lost:
+        flat = torch.cat([p.detach().reshape(-1) for p in params]).double()
+        # A position-weighted sum: a change in any one parameter, or two swapped, changes it.
+        checksum = (flat * torch.arange(1, flat.numel() + 1, device=flat.device, dtype=flat.dtype)).sum().reshape(1)
+        checksums = [torch.empty_like(checksum) for _ in range(world_size)]
+        dist.all_gather(checksums, checksum)
+        checksums = [float(c) for c in checksums]
+        fields["rank_checksums"] = [repr(c) for c in checksums]
+        if len(set(checksums)) > 1 and run.stop_reason is None:
+            run.stop_reason = f"the ranks' parameters differ at the end (checksums {checksums}): the gradient all-reduce did not keep them identical"
+    dist.destroy_process_group()
+    return fields
 
 
 def evaluate(agent, obs_rms, args, run_name, device):
@@ -610,34 +731,49 @@ class Run:
 
 def main(args: Args):
     check_args(args)
+    rank, world_size, device = init_distributed(args)
+    # --num-envs is per rank: a batch is num_envs * num_steps per rank, all ranks' together per update.
     batch_size = args.num_envs * args.num_steps
-    if args.total_timesteps < batch_size and not (args.total_timesteps == 0 and args.load_model):
-        fail(f"--total-timesteps {args.total_timesteps} is less than one batch (num_envs * num_steps = {batch_size}): give at least {batch_size}")
+    global_batch = batch_size * world_size
+    if args.total_timesteps < global_batch and not (args.total_timesteps == 0 and args.load_model):
+        per = f" * {world_size} ranks" if world_size > 1 else ""
+        fail(f"--total-timesteps {args.total_timesteps} is less than one batch (num_envs * num_steps{per} = {global_batch}): give at least {global_batch}")
     if batch_size % args.num_minibatches:
         fail(f"--num-minibatches {args.num_minibatches} does not divide the batch of {batch_size} (num_envs * num_steps): pass a divisor of it")
     minibatch_size = batch_size // args.num_minibatches
     if args.norm_adv and minibatch_size < 2:
         fail(f"--num-minibatches {args.num_minibatches} makes minibatches of 1, whose advantages cannot be normalized: use at most {batch_size // 2}, or --no-norm-adv")
-    num_iterations = args.total_timesteps // batch_size
-    run = Run(args, num_iterations * batch_size)
+    num_iterations = args.total_timesteps // global_batch
+    run = Run(args, num_iterations * global_batch, rank=rank)
 
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
+    # Each rank its own random streams (envs, exploration noise, minibatch order); the initial
+    # weights come from rank 0.
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
     torch.backends.cudnn.deterministic = args.torch_deterministic
-    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     cudagraphs = args.cudagraphs and device.type == "cuda"
-    if args.cudagraphs and not cudagraphs:
+    if args.cudagraphs and not cudagraphs and rank == 0:
         print("notice: --cudagraphs needs a CUDA device; running without CUDA graphs", file=sys.stderr)
+    if cudagraphs and world_size > 1 and dist.get_backend() != "nccl":
+        # gloo runs its collectives on the host, where a CUDA graph cannot capture them.
+        cudagraphs = False
+        if rank == 0:
+            print("notice: --cudagraphs under torchrun needs --backend nccl; running without CUDA graphs", file=sys.stderr)
 
-    envs = make_envs(args, run.name, args.num_envs, args.capture_video)
+    envs = make_envs(args, run.name, args.num_envs, args.capture_video and rank == 0)
     n_obs = math.prod(envs.single_observation_space.shape)
     n_act = math.prod(envs.single_action_space.shape)
 
     agent = Agent(n_obs, n_act, device=device)
+    # Under torchrun each rank normalizes observations by its own envs' statistics, as CleanRL's
+    # multi-GPU PPO does: they are not synced (rank 0's are saved). Ranks see the same
+    # distribution, so the statistics agree up to sampling noise.
     networks = {"agent": agent, "obs_rms": ObsNormalization(envs)}
     if args.load_model:
         load_checkpoint(args.load_model, networks, args.env_id)
+    if world_size > 1:
+        broadcast_parameters(agent.parameters())
     # Acting uses a detached view of the same parameters: no autograd bookkeeping per step, and
     # every optimizer step is visible to it at once (the storages are shared).
     agent_inference = Agent(n_obs, n_act, device="meta")
@@ -650,7 +786,7 @@ def main(args: Args):
 
     policy = make_policy(agent_inference)
     gae = make_gae(args.gamma, args.gae_lambda)
-    update = make_update(agent, optimizer, args)
+    update = make_update(agent, optimizer, args, world_size)
     # What --compile compiles (2-core CPU, torch 2.13, one thread, minibatch 64):
     # - update: 2.0 ms eager, 0.32 ms compiled (one graph); inductor's C++ wrapper measured
     #   0.26-0.27 ms alone but no faster in whole runs, and adds 7 s to a cold compile. Compiled
@@ -668,9 +804,10 @@ def main(args: Args):
         policy = CudaGraphModule(policy)
 
     global_step = updates = 0
-    next_obs, _ = envs.reset(seed=args.seed)
+    next_obs, _ = envs.reset(seed=args.seed + rank)
     next_obs = torch.as_tensor(next_obs, device=device, dtype=torch.float)
     next_done = torch.zeros(args.num_envs, device=device)
+    lost = False
     try:
         for iteration in range(1, num_iterations + 1):
             lr_now = args.learning_rate
@@ -679,9 +816,10 @@ def main(args: Args):
                 lr.copy_(lr_now)
 
             obs_list, done_list, act_list, logprob_list, value_list, reward_list = [], [], [], [], [], []
+            finished = []
             with torch.no_grad():
                 for _ in range(args.num_steps):
-                    global_step += args.num_envs
+                    global_step += args.num_envs * world_size
                     if cudagraphs:
                         torch.compiler.cudagraph_mark_step_begin()
                     action, logprob, value = policy(next_obs)
@@ -695,7 +833,10 @@ def main(args: Args):
                     reward_list.append(reward)
                     next_obs = torch.as_tensor(next_obs_np, device=device, dtype=torch.float)
                     next_done = torch.as_tensor(np.logical_or(terminations, truncations), device=device, dtype=torch.float)
-                    run.episodes(global_step, infos)
+                    if world_size == 1:
+                        run.episodes(global_step, infos)
+                    else:
+                        finished += episodes_of(global_step, infos)
 
                 obs_b = torch.stack(obs_list)
                 dones = torch.stack(done_list[1:] + [next_done])
@@ -705,6 +846,10 @@ def main(args: Args):
                     torch.compiler.cudagraph_mark_step_begin()
                 next_value = policy(next_obs)[2].clone()
                 advantages, returns = gae(rewards, values, dones, next_value)
+
+            if world_size > 1:
+                for step, infos in gather_episodes(finished, rank, world_size):
+                    run.episodes(step, infos)
 
             batch = (
                 obs_b.reshape(batch_size, n_obs),
@@ -743,8 +888,17 @@ def main(args: Args):
             run.log(global_step, updates, metrics, networks)
     except KeyboardInterrupt:
         run.interrupted = run.interrupted or signal.SIGINT
+    except RuntimeError as e:  # gloo's and nccl's errors (dist.DistError among them)
+        if world_size == 1:
+            raise
+        # Under torchrun a rank that stops (Ctrl-C, a crash) or does not answer within
+        # --dist-timeout ends the others' collectives with an error: end as after a bad loss.
+        lost = True
+        run.stop_reason = f"rank {rank} stopped at step {global_step}: another rank is gone or was silent for --dist-timeout ({error_line(e)})"
     envs.close()
-    run.finish(global_step, updates, networks, lambda: evaluate(agent, networks["obs_rms"], args, run.name, device), device=device.type, cudagraphs=cudagraphs)
+    fields = finish_distributed(run, agent.parameters(), world_size, lost) if world_size > 1 else {}
+    run.finish(global_step, updates, networks, lambda: evaluate(agent, networks["obs_rms"], args, run.name, device), device=device.type, cudagraphs=cudagraphs,
+               world_size=world_size, batch_size=global_batch, **fields)
 
 
 if __name__ == "__main__":

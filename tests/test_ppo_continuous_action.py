@@ -185,8 +185,8 @@ def test_target_kl_stops_after_the_epoch_whose_last_minibatch_exceeds_it(path, p
 
             return wrapped
 
-        def scripted_update(agent, optimizer, args):
-            update = make_update(agent, optimizer, args)
+        def scripted_update(agent, optimizer, args, world_size=1):
+            update = make_update(agent, optimizer, args, world_size)
 
             def wrapped(*args):
                 metrics = update(*args).clone()
