@@ -1,0 +1,175 @@
+"""Data-parallel lean PPO under torchrun (issue 19): two CPU ranks over gloo end with identical
+parameters, rank 0 alone prints the summary with the world size and the global batch, the
+all-reduced gradient is the gradient of both ranks' minibatches together, a 2-rank run learns
+as a single process does within the same env steps, and bad input is one line."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY, assert_one_line_error, family, run_script, scripts
+
+# The lean PPO scripts, which take torchrun (the other lean scripts are off-policy and do not).
+LEAN_PPO = scripts("ppo_*_torchcompile.py")
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+# Two iterations of both ranks at TINY sizes, so that a log point follows an update twice.
+TWO_RANKS = {"ppo_continuous_action": ["--total-timesteps", "256"], "ppo_atari_envpool": ["--total-timesteps", "128"]}
+
+
+def torchrun(script, *args, cwd, nproc=2, timeout=900, env=None):
+    """`torchrun --standalone --nproc_per_node nproc script args`, one thread per rank."""
+    return subprocess.run(
+        [str(TORCHRUN), "--standalone", "--nproc_per_node", str(nproc), str(script), *map(str, args)],
+        cwd=cwd, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", **(env or {})},
+    )
+
+
+def summaries(proc):
+    """The JSON summary lines in torchrun's stdout (every rank's stdout goes there)."""
+    return [json.loads(line, parse_constant=pytest.fail) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def checksum(state_dict):
+    """The scripts' parameter checksum (finish_distributed), from a saved state dict."""
+    flat = torch.cat([v.reshape(-1) for v in state_dict.values()]).double()
+    return (flat * torch.arange(1, flat.numel() + 1, dtype=flat.dtype)).sum()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compile"])
+@pytest.mark.parametrize("script", LEAN_PPO, ids=lambda p: p.stem)
+def test_two_ranks_end_identical(script, compiled, workdir):
+    args = [*TINY[family(script)], *TWO_RANKS[family(script)], "--save-model", *(["--compile"] if compiled else [])]
+    proc = torchrun(script, *args, cwd=workdir)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = summaries(proc)
+    assert len(lines) == 1, proc.stdout  # rank 0's only
+    summary = lines[0]
+    assert summary["world_size"] == 2 and summary["compile"] == compiled
+    single, _ = run_script(script, *TINY[family(script)], "--total-timesteps", "0", "--load-model", summary["checkpoint"], cwd=workdir)
+    assert summary["batch_size"] == 2 * single["batch_size"], (summary, single)
+    assert summary["total_steps"] == int(TWO_RANKS[family(script)][1]) and summary["updates"] == 8
+    # Every rank's checksum of its final parameters, gathered by the script, is that of the
+    # checkpoint rank 0 saved; a run whose ranks drift apart exits 1 instead.
+    first, second = map(float, summary["rank_checksums"])
+    assert first == second, summary["rank_checksums"]
+    model = torch.load(workdir / summary["checkpoint"], weights_only=True)["model"]["agent"]
+    torch.testing.assert_close(torch.tensor(first, dtype=torch.float64), checksum(model), rtol=1e-12, atol=0)
+
+
+# Runs under torchrun: each rank takes its half of one batch through the script's own
+# make_update with world_size 2; rank 0 then takes the whole batch through make_update with
+# world_size 1. An optimizer that records the gradients it is given stands in for Adam, and a
+# clipping norm of 1e9 leaves them as they are. Advantages are not normalized: each rank
+# normalizes its own minibatch, so the two gradients are equal only without it.
+WORKER = textwrap.dedent('''
+    import importlib.util, sys
+    import torch, torch.distributed as dist
+
+    spec = importlib.util.spec_from_file_location("script", sys.argv[1])
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    n = 8 * world_size
+    if script.ALGORITHM == "ppo_continuous_action":
+        agent = script.Agent(11, 3)
+        batch = [torch.randn(n, 11, generator=g), torch.randn(n, 3, generator=g)]
+    else:
+        agent = script.Agent(4)
+        batch = [torch.randint(0, 256, (n, 4, 84, 84), generator=g, dtype=torch.uint8), torch.randint(0, 4, (n,), generator=g)]
+    batch += [torch.randn(n, generator=g) - 2, torch.randn(n, generator=g), torch.randn(n, generator=g), torch.randn(n, generator=g)]
+    if script.ALGORITHM == "ppo_atari_envpool":
+        batch.append(torch.ones(n))
+    args = script.Args(norm_adv=False, max_grad_norm=1e9)
+
+    class Recorder:
+        def __init__(self):
+            self.params = {name: p.detach() for name, p in agent.named_parameters()}
+        def step(self, grads):
+            self.grads = {k: v.clone() for k, v in grads.items()}
+
+    mine = torch.arange(rank * 8, rank * 8 + 8)
+    shared = Recorder()
+    shared_metrics = script.make_update(agent, shared, args, world_size)(*batch, mine)
+    if rank == 0:
+        together = Recorder()
+        together_metrics = script.make_update(agent, together, args, 1)(*batch, torch.arange(n))
+        torch.save({"all_reduced": shared.grads, "together": together.grads,
+                    "all_reduced_metrics": shared_metrics, "together_metrics": together_metrics}, sys.argv[2])
+    dist.destroy_process_group()
+''')
+
+
+@pytest.mark.parametrize("script", LEAN_PPO, ids=lambda p: p.stem)
+def test_all_reduced_gradient_is_the_gradient_of_both_batches(script, workdir):
+    worker, out = workdir / "worker.py", workdir / "grads.pt"
+    worker.write_text(WORKER)
+    proc = torchrun(worker, script, out, cwd=workdir)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    grads = torch.load(out, weights_only=True)
+    assert grads["all_reduced"].keys() == grads["together"].keys()
+    # float32 sums of the same terms in another order: relative 1e-5, absolute 1e-6.
+    for name, g in grads["together"].items():
+        assert g.abs().sum() > 0, name
+        torch.testing.assert_close(grads["all_reduced"][name], g, rtol=1e-5, atol=1e-6, msg=name)
+    # Also the metrics, which the same buffer averages (losses, approx_kl for --target-kl).
+    torch.testing.assert_close(grads["all_reduced_metrics"], grads["together_metrics"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.learning
+def test_two_ranks_learn_inverted_pendulum(workdir):
+    from test_ppo_continuous_action import LEAN_PATH, LEARNING_THRESHOLD
+
+    # The single-process test's 40,960 env steps in batches of 1024: 512 steps on each rank.
+    proc = torchrun(
+        LEAN_PATH, "--env-id", "InvertedPendulum-v5", "--total-timesteps", "40960", "--num-steps", "512",
+        "--seed", "1", "--compile", cwd=workdir, timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (summary,) = summaries(proc)
+    assert summary["batch_size"] == 1024 and summary["total_steps"] == 40960
+    assert summary["episodic_return"] >= LEARNING_THRESHOLD, summary
+
+
+@pytest.mark.parametrize("script", LEAN_PPO, ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "bad_args, words",
+    [(["--backend", "nccl"], ["nccl", "--backend gloo"]), (["--backend", "mpi"], ["mpi", "gloo", "nccl"])],
+    ids=["nccl-on-cpu", "unknown-backend"],
+)
+def test_unavailable_backend_is_one_clear_line(script, bad_args, words, workdir):
+    _, proc = run_script(script, *TINY[family(script)], *bad_args, cwd=workdir, check=False)
+    assert proc.returncode == 2
+    assert_one_line_error(proc, *words)
+
+
+@pytest.mark.parametrize("script", LEAN_PPO, ids=lambda p: p.stem)
+def test_a_rank_alone_stops_with_one_line(script, workdir):
+    """A rank whose peers never come waits --dist-timeout, then says so in one line."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    _, proc = run_script(script, *TINY[family(script)], "--dist-timeout", "2", cwd=workdir, env=env, check=False)
+    assert proc.returncode == 2
+    assert_one_line_error(proc, "rank 0", "could not join", "--rdzv-endpoint")
+
+
+def test_below_one_global_batch_under_torchrun(workdir):
+    """Each rank ends with one line that counts the ranks; torchrun reports exit status 2."""
+    script = scripts("ppo_continuous_action_torchcompile.py")[0]
+    proc = torchrun(script, *TINY[family(script)], "--total-timesteps", "64", cwd=workdir)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 2 and all("num_envs * num_steps * 2 ranks = 128" in e for e in errors), proc.stderr
+    assert "exitcode  : 2" in proc.stderr and "[rank0]: Traceback" not in proc.stderr
