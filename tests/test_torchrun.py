@@ -173,3 +173,49 @@ def test_below_one_global_batch_under_torchrun(workdir):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 2 and all("num_envs * num_steps * 2 ranks = 128" in e for e in errors), proc.stderr
     assert "exitcode  : 2" in proc.stderr and "[rank0]: Traceback" not in proc.stderr
+
+
+# Runs under torchrun: rank 1's parameters differ from rank 0's (or not), and the script's end
+# of run compares the ranks' checksums.
+DRIFT = textwrap.dedent('''
+    import importlib.util, sys, types
+    import torch, torch.distributed as dist
+
+    spec = importlib.util.spec_from_file_location("script", sys.argv[1])
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    dist.init_process_group("gloo")
+    rank, drift = dist.get_rank(), float(sys.argv[2])
+    run = types.SimpleNamespace(interrupted=False, stop_reason=None)
+    params = [torch.linspace(-1, 1, 7), torch.ones(2, 3) + drift * rank]
+    fields = script.finish_distributed(run, params, dist.get_world_size(), lost=False)
+    print(f"rank {rank}: {len(set(fields['rank_checksums']))} {run.stop_reason}")
+''')
+
+
+@pytest.mark.parametrize("drift", [0.0, 1e-6])
+def test_drifted_ranks_stop_the_run(drift, workdir):
+    script = LEAN_PPO[0]
+    worker = workdir / "drift.py"
+    worker.write_text(DRIFT)
+    proc = torchrun(worker, script, drift, cwd=workdir)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+    if drift:
+        assert len(lines) == 2 and all(" 2 the ranks' parameters differ" in line for line in lines), lines
+    else:
+        assert lines == ["rank 0: 1 None", "rank 1: 1 None"]
+
+
+def test_the_distributed_helpers_are_the_same_in_both_scripts():
+    """One lean pattern: what torchrun needs is the same code in every script that has it."""
+    names = ["init_distributed", "error_line", "broadcast_parameters", "all_reduce_mean", "episodes_of",
+             "gather_episodes", "finish_distributed"]
+    sources = [path.read_text() for path in LEAN_PPO]
+
+    def body(text, name):
+        start = text.index(f"\ndef {name}(")
+        return text[start : text.index("\n\n\n", start)]
+
+    for name in names:
+        assert len({body(text, name) for text in sources}) == 1, name
