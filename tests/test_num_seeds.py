@@ -4,14 +4,17 @@ folders, checkpoints and wandb runs, bad input, and every seed learning CartPole
 
 import copy
 import csv
+import signal
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from tensordict import from_module
 
-from conftest import TINY, assert_one_line_error, load_script, run_script, scripts
+from conftest import TINY, assert_one_line_error, load_script, main_in_process, run_script, scripts
 from test_dqn import LEARNING, LEARNING_THRESHOLD
+from test_faults import start_long_run, stop_and_read, wait_for
 
 PATH = scripts("dqn_torchcompile.py")[0]
 N, N_OBS, N_ACT, BUFFER, BATCH = 3, 4, 2, 500, 32
@@ -127,6 +130,40 @@ def test_stacked_policy_acts_as_each_seeds_network(lean):
 # ---------------------------------------------------------------- runs
 
 
+def test_each_seed_stores_its_own_sub_envs(lean, tmp_path, monkeypatch):
+    """With 2 seeds of 2 envs, buffer row i, column k holds the step of sub-env k * 2 + i: its
+    action, reward and next observation (where no episode ended there)."""
+    import gymnasium as gym
+
+    steps, adds = [], []
+    step, add = gym.vector.SyncVectorEnv.step, lean.ReplayBuffer.add
+
+    def recording_step(self, actions):
+        out = step(self, actions)
+        steps.append((np.array(actions), out[0].copy(), out[1].copy(), out[4].get("_final_obs", np.zeros(4, bool))))
+        return out
+
+    def recording_add(self, **rows):
+        adds.append({key: np.array(value) for key, value in rows.items()})
+        return add(self, **rows)
+
+    monkeypatch.setattr(gym.vector.SyncVectorEnv, "step", recording_step)
+    monkeypatch.setattr(lean.ReplayBuffer, "add", recording_add)
+    assert main_in_process(lean, "--num-seeds", 2, "--num-envs", 2, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
+    assert len(steps) == len(adds) == 200
+    ended = 0
+    for (actions, next_obs, rewards, final), rows in zip(steps, adds):
+        assert rows["obs"].shape == (2, 2, 4) and rows["actions"].shape == (2, 2)
+        for k in range(2):
+            for i in range(2):
+                j = k * 2 + i
+                assert rows["actions"][i, k] == actions[j] and rows["rewards"][i, k] == rewards[j]
+                ended += bool(final[j])
+                if not final[j]:
+                    np.testing.assert_array_equal(rows["next_obs"][i, k], next_obs[j])
+    assert ended > 0
+
+
 def seed_dirs(workdir):
     return sorted((Path(workdir) / "runs").iterdir(), key=lambda d: int(d.name.split("__")[2]))
 
@@ -166,6 +203,18 @@ def test_track_makes_one_wandb_run_per_seed(workdir):
     summary, _ = run_script(PATH, *TINY["dqn"], "--num-seeds", 2, "--track", cwd=workdir, env={"WANDB_MODE": "offline"})
     assert summary["updates"] > 0
     assert len(list((Path(workdir) / "wandb").glob("offline-run-*"))) == 2
+
+
+def test_sigterm_saves_every_seed_and_prints_one_summary(workdir):
+    """SIGTERM mid-training: exit 143 with the summary, and a finite checkpoint for each seed."""
+    proc = start_long_run(PATH, workdir, "--total-timesteps", 10_000_000, "--num-seeds", 2, "--save-model")
+    summary = stop_and_read(proc, signal.SIGTERM, wait_for(proc, "sps="))
+    assert summary["interrupted"] is True and summary["num_seeds"] == 2
+    checkpoints = [list(d.glob("*.pt")) for d in seed_dirs(workdir)]
+    assert [len(c) for c in checkpoints] == [1, 1]
+    for (path,) in checkpoints:
+        weights = torch.load(path, weights_only=True)["model"]["q_network"]
+        assert all(torch.isfinite(t).all() for t in weights.values())
 
 
 @pytest.mark.parametrize("argv, words", [
