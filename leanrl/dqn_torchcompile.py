@@ -766,9 +766,9 @@ def main(args: Args):
                     seed_stats = [dict(zip(METRICS, values)) for values in metrics.view(len(METRICS), -1).T.tolist()] if metrics is not None else [{}] * num_seeds
                     diverged = [k for k, stats in enumerate(seed_stats) if stats and not math.isfinite(stats["losses/td_loss"])]
                     if diverged:
-                        k = diverged[0]
+                        k, which = diverged[0], f" (seed {args.seed + diverged[0]})" if num_seeds > 1 else ""
                         for seed_run in runs:
-                            seed_run.stop_reason = f"non-finite td_loss {seed_stats[k]['losses/td_loss']} at step {global_step}" + (f" (seed {args.seed + k})" if num_seeds > 1 else "")
+                            seed_run.stop_reason = f"non-finite td_loss {seed_stats[k]['losses/td_loss']} at step {global_step}{which}"
                         break
                     for seed_run, stats, net in zip(runs, seed_stats, q_networks):
                         seed_run.log(global_step, updates, {**stats, "charts/epsilon": epsilon_value}, {"q_network": net})

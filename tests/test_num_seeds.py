@@ -217,6 +217,18 @@ def test_sigterm_saves_every_seed_and_prints_one_summary(workdir):
         assert all(torch.isfinite(t).all() for t in weights.values())
 
 
+def test_a_diverged_seed_stops_the_run_with_finite_checkpoints(workdir):
+    """A non-finite loss in any seed ends the run (exit 1, one error line naming the seed); every
+    seed's checkpoint holds its last finite weights."""
+    summary, proc = run_script(PATH, *TINY["dqn"], "--num-seeds", 2, "--learning-rate", 1e30, "--save-model", cwd=workdir, check=False)
+    assert proc.returncode == 1 and summary["num_seeds"] == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "non-finite td_loss" in errors[0] and "(seed " in errors[0], proc.stderr
+    for d in seed_dirs(workdir):
+        weights = torch.load(next(d.glob("*.pt")), weights_only=True)["model"]["q_network"]
+        assert all(torch.isfinite(t).all() for t in weights.values())
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--num-seeds", 0], ["--num-seeds", "1 or more"]),
     (["--num-seeds", 4, "--buffer-size", 10**12], ["--num-seeds 4", "GiB"]),
