@@ -637,9 +637,10 @@ class Run:
             fail(f"cannot write {self.dir} ({e.strerror}): run from a folder you can write to")
         self.curve.write("step,seconds,episodic_return\n")
         try:
+            from tensorboard.compat.proto.summary_pb2 import Summary
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(self.dir)
+            self.writer, self.summary = SummaryWriter(self.dir), Summary
             self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
         except ImportError:
             if not lead:
@@ -660,8 +661,10 @@ class Run:
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
             if self.writer:
-                for key, value in values.items():
-                    self.writer.add_scalar(key, value, step)
+                # One event holds all the values: add_scalar writes one per value, and each costs
+                # about 40 us on a CPU (10 metrics at every log point, 2 per finished episode).
+                summary = self.summary(value=[self.summary.Value(tag=k, simple_value=float(v)) for k, v in values.items()])
+                self.writer.file_writer.add_summary(summary, step)
             if self.wandb:
                 self.wandb.log(values, step=step)
         finally:

@@ -22,10 +22,24 @@ def test_every_script_has_tiny_settings():
     assert sorted({family(s) for s in ALL} - TINY.keys()) == []
 
 
+def tensorboard_scalars(run_dir):
+    """tag -> values, in the order the run wrote them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir)).Reload()
+    return {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
 def check_summary(summary, script, workdir):
     assert summary["script"] == script.name
     run_dir = workdir / summary["run_dir"]
     assert list(run_dir.glob("events.out.tfevents.*")), "no TensorBoard events under runs/"
+    scalars = tensorboard_scalars(run_dir)
+    assert "charts/SPS" in scalars and any(tag.startswith("losses/") for tag in scalars), sorted(scalars)
+    if summary["episodic_return"] is not None:  # one point per episode: the summary is the last 10's mean
+        returns = scalars["charts/episodic_return"]
+        assert len(scalars["charts/episodic_length"]) == len(returns)
+        assert math.isclose(sum(returns[-10:]) / len(returns[-10:]), summary["episodic_return"], rel_tol=1e-4, abs_tol=1e-3)
     assert (run_dir / "curve.csv").read_text().startswith("step,seconds,episodic_return\n")
     assert summary["updates"] > 0, summary
     assert summary["total_steps"] > 0, summary
