@@ -13,9 +13,15 @@
 #
 #   ./run.sh --learning --quick   # 3 seeds, short budgets: under 20 minutes on 2 cores
 #   ./run.sh --learning           # 5 seeds, budgets where the curves still rise: hours
+#
+# Scaling on one machine: --num-seeds 1 against 8, torchrun with 1 process against 2
+# (benchmark/scaling.py):
+#
+#   ./run.sh --scaling
 set -euo pipefail
 cd "$(dirname "$0")"
-if [[ "${1:-}" == "--learning" ]]; then
-    exec python benchmark/learning.py "${@:2}"
-fi
+case "${1:-}" in
+    --learning) exec python benchmark/learning.py "${@:2}" ;;
+    --scaling) exec python benchmark/scaling.py "${@:2}" ;;
+esac
 exec python benchmark/bench.py "$@"

@@ -120,8 +120,11 @@ def plot(results, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     pairs = list(dict.fromkeys(r["pair"] for r in results))
-    fig, axes = plt.subplots(1, len(pairs), figsize=(4.2 * len(pairs), 3.6), squeeze=False)
-    for ax, pair in zip(axes[0], pairs):
+    cols = min(4, len(pairs))
+    fig, axes = plt.subplots(-(-len(pairs) // cols), cols, figsize=(4.2 * cols, 3.6 * -(-len(pairs) // cols)), squeeze=False)
+    for ax in axes.flat[len(pairs):]:
+        ax.axis("off")
+    for ax, pair in zip(axes.flat, pairs):
         for color, side in (("grey", "plain"), ("C0", "lean")):
             curves = [np.asarray(r["curve"]) for r in results if r["pair"] == pair and r["side"] == side and r["curve"]]
             if not curves:
