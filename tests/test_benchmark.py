@@ -184,3 +184,16 @@ def test_each_cell_compiles_into_its_own_cache_and_only_its_first_seed_is_cold(t
     records = bench.run_all(runs, tmp_path, 10)
     assert [(r["mode"], r["cold"]) for r in records] == [("plain", True), ("eager", True), ("compile", True), ("plain", False), ("eager", False), ("compile", False)]
     assert calls[:3] == calls[3:] and len(set(calls)) == 3
+
+
+def test_scaling_reports_each_setting_over_the_first_per_seed(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("scaling", ROOT / "benchmark" / "scaling.py")
+    scaling = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(scaling)
+    for family, shared, settings in scaling.CASES.values():
+        assert (scaling.bench.SCRIPTS / f"{family}_torchcompile.py").exists() and len(settings) >= 2
+    speeds = {("1", 1): 100.0, ("8", 1): 300.0, ("1", 2): 200.0, ("8", 2): 500.0}
+    monkeypatch.setattr(scaling, "run", lambda script, launcher, argv, log, timeout: {"sps": speeds[(argv[argv.index("--num-seeds") + 1], int(argv[-1]))]})
+    assert scaling.main(["--cases", "dqn --num-seeds", "--seeds", "1", "2", "--out", str(tmp_path)]) == 0
+    row = next(line for line in (tmp_path / "table.md").read_text().splitlines() if "| 8 seeds |" in line)
+    assert [c.strip() for c in row.strip("|").split("|")][2:] == ["400", "2.75x", "2.50-3.00"]
