@@ -1,11 +1,13 @@
-"""PPO pair (continuous actions): the lean update against the plain update's math, compiled
-against eager, GAE against the reference loop, the --target-kl rule, checkpoints that carry the
+"""PPO pair (continuous actions): the lean script's batched normalization against the plain
+script's per-env wrappers, the lean update against the plain update's math, compiled against eager, GAE against the reference loop, the --target-kl rule, checkpoints that carry the
 observation statistics across the pair, determinism, bad input, and learning."""
 
 import copy
 import csv
 import math
 
+import gymnasium as gym
+import numpy as np
 import pytest
 import torch
 
@@ -128,6 +130,83 @@ def reference_gae(rewards, values, dones, next_value, gamma, gae_lambda):
             lastgaelam = delta + gamma * gae_lambda * nonterminal * lastgaelam
             advantages[t, env] = lastgaelam
     return advantages
+
+
+class ScriptedEnv(gym.Env):
+    """Observations (5 values, offset and scaled apart, some beyond the clip), rewards (some beyond
+    the clip) and episode ends (terminations and truncations, about one step in eight) drawn
+    from the reset seed alone, whatever the actions; it keeps the actions it receives."""
+
+    observation_space = gym.spaces.Box(-np.inf, np.inf, (5,), np.float64)
+    action_space = gym.spaces.Box(-1.0, np.array([1.0, 0.5], dtype=np.float32), (2,), np.float32)
+    SCALE, OFFSET = np.array([1.0, 0.01, 100.0, 3.0, 1e-3]), np.array([0.0, 5.0, -300.0, 1.0, 0.0])
+
+    def __init__(self):
+        self.actions = []
+
+    def draw(self):
+        return self.OFFSET + self.SCALE * self.np_random.standard_normal(5)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return self.draw(), {}
+
+    def step(self, action):
+        self.actions.append(np.array(action))
+        end = self.np_random.random()
+        reward = float(self.np_random.standard_normal() * 20.0 + 1.0)
+        return self.draw(), reward, end < 0.07, 0.07 <= end < 0.12, {}
+
+
+gym.register("LeanRLScripted-v0", entry_point=ScriptedEnv)
+
+
+@pytest.mark.parametrize("num_envs", [1, 3])
+def test_normalization_is_the_plain_wrappers(plain, lean, num_envs):
+    """The same observations, rewards and episode ends (both kinds, several per sub-env) through
+    the plain script's per-env wrappers and through the lean script's envs and `Normalization`
+    give the same normalized observations, rewards, clipped actions and final statistics.
+    Tolerance: the normalized values are float32 from the same float64 arithmetic (rtol 1e-6,
+    atol 1e-6, a few ulps); the statistics are float64 in gymnasium's order of operations (rtol
+    1e-12), but for the variance (rtol 1e-8): gymnasium's first update computes `var * count`
+    in float32 (its statistics start in the float32 of the observation space), which leaves a
+    relative 3e-9 in the prior's weight of 1e-4."""
+    args = lean.Args(env_id="LeanRLScripted-v0", num_envs=num_envs)
+    plain_envs = plain.make_envs(args, "plain", num_envs)
+    lean_envs = lean.make_envs(args, "lean", num_envs)
+    norm = lean.Normalization(num_envs, 5, lean_envs.single_action_space, args.gamma, torch.device("cpu"))
+    expected, _ = plain_envs.reset(seed=3)
+    raw, _ = lean_envs.reset(seed=3)
+    torch.testing.assert_close(norm.obs(torch.as_tensor(raw)), torch.as_tensor(expected), rtol=1e-6, atol=1e-6)
+    g, ends, clipped = torch.Generator().manual_seed(0), 0, 0
+    for step in range(400):
+        action = 2.0 * torch.randn(num_envs, 2, generator=g)
+        expected, expected_reward, terminations, truncations, _ = plain_envs.step(action.numpy())
+        raw, reward, lean_terminations, lean_truncations, infos = lean_envs.step(norm.action(action).numpy())
+        assert (terminations == lean_terminations).all() and (truncations == lean_truncations).all()
+        done = np.logical_or(terminations, truncations)
+        if done.any():
+            rows = np.flatnonzero(done)
+            norm.final_obs(torch.as_tensor(np.stack([infos["final_obs"][i] for i in rows])), torch.as_tensor(rows))
+            ends += len(rows)
+        got_reward = norm.reward(torch.as_tensor(reward), torch.as_tensor(terminations, dtype=torch.float64))
+        torch.testing.assert_close(norm.obs(torch.as_tensor(raw)), torch.as_tensor(expected), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got_reward, torch.as_tensor(expected_reward), rtol=1e-6, atol=1e-6)
+        clipped += int((np.abs(expected) == 10.0).sum() + (np.abs(expected_reward) == 10.0).sum())
+    assert ends > 10 * num_envs and clipped > 0  # the data reached the resets and the clips
+    for plain_env, lean_env in zip(plain_envs.envs, lean_envs.envs):
+        np.testing.assert_array_equal(np.stack(lean_env.unwrapped.actions), np.stack(plain_env.unwrapped.actions))
+    state = norm.state_dict()
+    for i, env in enumerate(plain_envs.envs):
+        while not isinstance(env, gym.wrappers.NormalizeObservation):
+            if isinstance(env, gym.wrappers.NormalizeReward):
+                torch.testing.assert_close(norm.ret_var[i], torch.tensor(env.return_rms.var, dtype=torch.float64).reshape(()), rtol=1e-12, atol=0)
+            env = env.env
+        torch.testing.assert_close(state["mean"][i], torch.as_tensor(env.obs_rms.mean), rtol=1e-12, atol=0)
+        torch.testing.assert_close(state["var"][i], torch.as_tensor(env.obs_rms.var), rtol=1e-8, atol=0)
+        assert state["count"][i].item() == pytest.approx(env.obs_rms.count, rel=1e-12)
+    plain_envs.close()
+    lean_envs.close()
 
 
 def test_gae_matches_reference_loop(lean):
