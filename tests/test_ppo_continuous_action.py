@@ -209,6 +209,26 @@ def test_normalization_is_the_plain_wrappers(plain, lean, num_envs):
     lean_envs.close()
 
 
+def test_normalization_loads_fewer_envs_and_freezes(lean):
+    """A checkpoint of 2 envs gives its last env's statistics to envs 3 and 4; with training off,
+    observations are normalized by them and the statistics stay as loaded (evaluation)."""
+    space = ScriptedEnv.action_space
+    g = torch.Generator().manual_seed(0)
+    source = lean.Normalization(2, 5, space, 0.99, torch.device("cpu"))
+    for _ in range(5):
+        source.obs(torch.randn(2, 5, generator=g, dtype=torch.float64) * 3 + 1)
+    state = {k: v.clone() for k, v in source.state_dict().items()}
+    target = lean.Normalization(4, 5, space, 0.99, torch.device("cpu"))
+    target.load_state_dict(state)
+    target.training = False
+    for key in ("mean", "var", "count"):
+        torch.testing.assert_close(target.state_dict()[key], state[key][[0, 1, 1, 1]], rtol=0, atol=0)
+    x = torch.randn(4, 5, generator=g, dtype=torch.float64)
+    expected = ((x - state["mean"][[0, 1, 1, 1]]) / (state["var"][[0, 1, 1, 1]] + 1e-8).sqrt()).clamp(-10, 10).float()
+    torch.testing.assert_close(target.obs(x), expected, rtol=0, atol=0)
+    torch.testing.assert_close(target.state_dict()["count"], state["count"][[0, 1, 1, 1]], rtol=0, atol=0)
+
+
 def test_gae_matches_reference_loop(lean):
     g = torch.Generator().manual_seed(0)
     rewards, values = torch.randn(50, 3, generator=g), torch.randn(50, 3, generator=g)
