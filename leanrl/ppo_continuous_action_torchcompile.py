@@ -617,6 +617,7 @@ class Run:
         self.start = self.warm_time = time.perf_counter()
         if not lead:
             signal.signal(signal.SIGTERM, self.on_sigterm)
+            sys.excepthook = self.on_uncaught
         if not self.main:
             self.curve = open(os.devnull, "w")
             return
@@ -633,9 +634,10 @@ class Run:
             fail(f"cannot write {self.dir} ({e.strerror}): run from a folder you can write to")
         self.curve.write("step,seconds,episodic_return\n")
         try:
+            from tensorboard.compat.proto.summary_pb2 import Summary
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(self.dir)
+            self.writer, self.summary = SummaryWriter(self.dir), Summary
             self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
         except ImportError:
             if not lead:
@@ -650,14 +652,29 @@ class Run:
         self.interrupted = signal.SIGTERM
         raise KeyboardInterrupt
 
+    def on_uncaught(self, kind, value, traceback):
+        """Ctrl-C or SIGTERM outside the training loop (while envs and networks are made): the
+        summary and exit status of an interrupted run, not a traceback."""
+        if not issubclass(kind, KeyboardInterrupt):
+            return sys.__excepthook__(kind, value, traceback)
+        self.interrupted = self.interrupted or signal.SIGINT
+        try:
+            self.finish(self.step, self.updates, {}, None)
+        except SystemExit as e:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(e.code)
+
     def scalars(self, step, values):
         # Ctrl-C and SIGTERM wait until the writers are done: a KeyboardInterrupt inside
         # TensorBoard's writer can leave it so that close() hangs (tensorboard 2.21).
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
             if self.writer:
-                for key, value in values.items():
-                    self.writer.add_scalar(key, value, step)
+                # One event holds all the values: add_scalar writes one per value, and each costs
+                # about 40 us on a CPU (10 metrics at every log point, 2 per finished episode).
+                summary = self.summary(value=[self.summary.Value(tag=k, simple_value=float(v)) for k, v in values.items()])
+                self.writer.file_writer.add_summary(summary, step)
             if self.wandb:
                 self.wandb.log(values, step=step)
         finally:
@@ -716,7 +733,7 @@ class Run:
         if self.interrupted and self.main and self.lead is self:
             print(f"notice: interrupted at step {self.step}; saving what there is", file=sys.stderr)
         checkpoint, state = None, self.last_good
-        if self.args.save_model and self.main:
+        if self.args.save_model and self.main and networks:
             current = {name: net.state_dict() for name, net in networks.items()}
             if self.stop_reason is None and all(v.isfinite().all() for sd in current.values() for v in sd.values()):
                 state = current

@@ -402,6 +402,7 @@ class Run:
         self.start = self.warm_time = time.perf_counter()
         if not lead:
             signal.signal(signal.SIGTERM, self.on_sigterm)
+            sys.excepthook = self.on_uncaught
         if not self.main:
             self.curve = open(os.devnull, "w")
             return
@@ -435,6 +436,19 @@ class Run:
         """Schedulers stop jobs with SIGTERM: end the run as Ctrl-C does, saving first."""
         self.interrupted = signal.SIGTERM
         raise KeyboardInterrupt
+
+    def on_uncaught(self, kind, value, traceback):
+        """Ctrl-C or SIGTERM outside the training loop (while envs and networks are made): the
+        summary and exit status of an interrupted run, not a traceback."""
+        if not issubclass(kind, KeyboardInterrupt):
+            return sys.__excepthook__(kind, value, traceback)
+        self.interrupted = self.interrupted or signal.SIGINT
+        try:
+            self.finish(self.step, self.updates, {}, None)
+        except SystemExit as e:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(e.code)
 
     def scalars(self, step, values):
         # Ctrl-C and SIGTERM wait until the writers are done: a KeyboardInterrupt inside
@@ -504,7 +518,7 @@ class Run:
         if self.interrupted and self.main and self.lead is self:
             print(f"notice: interrupted at step {self.step}; saving what there is", file=sys.stderr)
         checkpoint, state = None, self.last_good
-        if self.args.save_model and self.main:
+        if self.args.save_model and self.main and networks:
             current = {name: net.state_dict() for name, net in networks.items()}
             if self.stop_reason is None and all(v.isfinite().all() for sd in current.values() for v in sd.values()):
                 state = current

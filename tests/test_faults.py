@@ -196,8 +196,14 @@ def test_signal_during_training_saves_and_exits_non_zero(script, signum, workdir
 @pytest.mark.parametrize("script", PLAIN, ids=lambda s: s.stem)
 def test_signal_during_evaluation_still_prints_the_summary(script, signum, workdir):
     summary, _ = run_script(script, *TINY[family(script)], "--save-model", cwd=workdir)
+    folders = set((workdir / "runs").iterdir())
     proc = start_long_run(script, workdir, "--total-timesteps", 0, "--load-model", summary["checkpoint"], "--eval-episodes", 100_000)
-    time.sleep(8)  # imports and env set-up, then evaluation
+    # The run's folder appears once the imports are done (slow beside other work); evaluation
+    # starts after the checkpoint loads and the eval env is made, well within 3 s of that.
+    deadline = time.monotonic() + 180
+    while set((workdir / "runs").iterdir()) == folders and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(3)
     assert proc.poll() is None
     summary = stop_and_read(proc, signum, "")
     assert summary["interrupted"] is True and summary["eval_return"] is None
