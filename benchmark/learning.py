@@ -33,8 +33,8 @@ PAIRS = {
     ),
     "dqn": dict(full=([], 500_000), quick=([], 100_000)),
     "pqn": dict(full=([], 500_000), quick=([], 100_000)),
-    "ppo_atari_envpool": dict(full=([], 500_000), quick=([], 10_240)),
-    "pqn_atari_envpool": dict(full=([], 500_000), quick=([], 10_240)),
+    "ppo_atari_envpool": dict(full=([], 200_000), quick=([], 10_240)),
+    "pqn_atari_envpool": dict(full=([], 200_000), quick=([], 10_240)),
 }
 SEEDS = dict(full=[1, 2, 3, 4, 5], quick=[1, 2, 3])
 SIDES = {"plain": ("{}.py", []), "lean": ("{}_torchcompile.py", ["--compile"])}
