@@ -187,9 +187,9 @@ def test_normalization_is_the_plain_wrappers(plain, lean, num_envs):
         done = np.logical_or(terminations, truncations)
         if done.any():
             rows = np.flatnonzero(done)
-            norm.final_obs(torch.as_tensor(np.stack([infos["final_obs"][i] for i in rows])), torch.as_tensor(rows))
+            norm.final_obs(np.stack([infos["final_obs"][i] for i in rows]), rows)
             ends += len(rows)
-        got_reward = norm.reward(torch.as_tensor(reward), torch.as_tensor(terminations, dtype=torch.float64))
+        got_reward = torch.as_tensor(norm.reward(reward, terminations))
         torch.testing.assert_close(norm.obs(torch.as_tensor(raw)), torch.as_tensor(expected), rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(got_reward, torch.as_tensor(expected_reward), rtol=1e-6, atol=1e-6)
         clipped += int((np.abs(expected) == 10.0).sum() + (np.abs(expected_reward) == 10.0).sum())
@@ -200,7 +200,7 @@ def test_normalization_is_the_plain_wrappers(plain, lean, num_envs):
     for i, env in enumerate(plain_envs.envs):
         while not isinstance(env, gym.wrappers.NormalizeObservation):
             if isinstance(env, gym.wrappers.NormalizeReward):
-                torch.testing.assert_close(norm.ret_var[i], torch.tensor(env.return_rms.var, dtype=torch.float64).reshape(()), rtol=1e-12, atol=0)
+                torch.testing.assert_close(torch.as_tensor(norm.ret_var[i]), torch.tensor(env.return_rms.var, dtype=torch.float64).reshape(()), rtol=1e-12, atol=0)
             env = env.env
         torch.testing.assert_close(state["mean"][i], torch.as_tensor(env.obs_rms.mean), rtol=1e-12, atol=0)
         torch.testing.assert_close(state["var"][i], torch.as_tensor(env.obs_rms.var), rtol=1e-8, atol=0)
