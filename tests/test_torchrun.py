@@ -189,7 +189,9 @@ DRIFT = textwrap.dedent('''
     run = types.SimpleNamespace(interrupted=False, stop_reason=None)
     params = [torch.linspace(-1, 1, 7), torch.ones(2, 3) + drift * rank]
     fields = script.finish_distributed(run, params, dist.get_world_size(), lost=False)
-    print(f"rank {rank}: {len(set(fields['rank_checksums']))} {run.stop_reason}")
+    # one write for the whole line: the ranks share the pipe, and print writes the newline apart
+    sys.stdout.write(f"rank {rank}: {len(set(fields['rank_checksums']))} {run.stop_reason}\\n")
+    sys.stdout.flush()
 ''')
 
 
