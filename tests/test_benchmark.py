@@ -3,19 +3,15 @@ pieces whose arithmetic or contract matters on their own (paired ratios, curves,
 timeouts, the glob of families). Numbers are checked only where they are computed from inputs
 the test chose."""
 
-import importlib.util
 import json
 import math
 import time
 
-from conftest import ROOT
+from conftest import ROOT, load_script
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench", ROOT / "benchmark" / "bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return load_script(ROOT / "benchmark" / "bench.py")
 
 
 def test_tiny_profile_writes_table_and_plot(tmp_path):
@@ -187,9 +183,7 @@ def test_each_cell_compiles_into_its_own_cache_and_only_its_first_seed_is_cold(t
 
 
 def test_scaling_reports_each_setting_over_the_first_per_seed(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("scaling", ROOT / "benchmark" / "scaling.py")
-    scaling = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(scaling)
+    scaling = load_script(ROOT / "benchmark" / "scaling.py")
     for family, shared, settings in scaling.CASES.values():
         assert (scaling.bench.SCRIPTS / f"{family}_torchcompile.py").exists() and len(settings) >= 2
     speeds = {("1", 1): 100.0, ("8", 1): 300.0, ("1", 2): 200.0, ("8", 2): 500.0}

@@ -2,20 +2,16 @@
 difference says what it should on differences the test chose, and one tiny profile runs end to
 end (runs, table, plot)."""
 
-import importlib.util
 import json
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, load_script
 
 
 @pytest.fixture(scope="module")
 def learning():
-    spec = importlib.util.spec_from_file_location("learning", ROOT / "benchmark" / "learning.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "benchmark" / "learning.py")
 
 
 def test_every_pair_has_both_profiles(learning):
