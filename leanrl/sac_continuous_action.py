@@ -253,7 +253,7 @@ def evaluate(actor, args, run_name, device):
 # checkpoints and the summary line. Nothing in it is specific to one algorithm.
 
 # One rule per flag, the same in every script that has the flag.
-COUNTS = ("num_seeds", "num_envs", "num_steps", "num_minibatches", "update_epochs", "batch_size", "buffer_size",
+COUNTS = ("num_seeds", "threads", "num_envs", "num_steps", "num_minibatches", "update_epochs", "batch_size", "buffer_size",
           "train_frequency", "target_network_frequency", "policy_frequency")
 RULES = {
     "seed": (lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)"),

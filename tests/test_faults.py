@@ -31,6 +31,7 @@ BAD = {
     "update_epochs": ["0"],
     "batch_size": ["0"],
     "buffer_size": ["0"],
+    "threads": ["0"],
     "learning_rate": ["nan", "-1"],
     "q_lr": ["nan"],
     "policy_lr": ["-0.1"],

@@ -97,3 +97,18 @@ def test_capture_video_without_moviepy_is_one_line(script, workdir):
 
     proc = run_without("moviepy", script, *TINY[family(script)], "--capture-video", cwd=workdir)
     assert_one_line_error(proc, "leanrl[video]")
+
+
+@pytest.mark.parametrize("flags, threads", [([], 1), (["--threads", "2"], 2)], ids=["default", "two"])
+def test_lean_scripts_choose_their_cpu_threads(flags, threads, tmp_path, monkeypatch):
+    """One intra-op thread on a CPU unless --threads says more, whatever torch started with."""
+    from conftest import main_in_process
+
+    before = torch.get_num_threads()
+    try:
+        for script in (s for s in scripts("*_torchcompile.py") if family(s) in ("dqn", "pqn")):
+            torch.set_num_threads(3 - threads)
+            code = main_in_process(load_script(script), *flags, tmp_path=tmp_path, monkeypatch=monkeypatch)
+            assert code in (0, None) and torch.get_num_threads() == threads, (script.name, code)
+    finally:
+        torch.set_num_threads(before)
