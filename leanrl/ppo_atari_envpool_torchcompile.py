@@ -459,26 +459,13 @@ def all_reduce_mean(grads, metrics, world_size):
     return {name: part.view(g.shape) for (name, g), part in zip(grads.items(), parts)}, metrics
 
 
-def episodes_of(step, infos):
-    """The episodes that ended in `infos`, as (global step, return, length), read as Run.episodes
-    reads them."""
-    info = infos.get("final_info", infos)
-    if "episode" not in info:
-        return []
-    done = info["_episode"]
-    return [(step, float(r), int(n)) for r, n in zip(info["episode"]["r"][done], info["episode"]["l"][done])]
-
-
 def gather_episodes(episodes, rank, world_size):
-    """Every rank's finished episodes of one iteration on rank 0, in step order, as the infos that
-    Run.episodes reads (an empty list on the other ranks). note: a host sync, once per iteration."""
+    """Every rank's finished episodes of one iteration, (step, return, length) from Run.finished,
+    on rank 0 in step order (an empty list on the other ranks). note: a host sync, once per
+    iteration."""
     gathered = [None] * world_size if rank == 0 else None
     dist.gather_object(episodes, gathered, dst=0)
-    if rank != 0:
-        return []
-    one = np.array([True])
-    return [(step, {"episode": {"r": np.array([r]), "l": np.array([n])}, "_episode": one})
-            for step, r, n in sorted(e for rank_episodes in gathered for e in rank_episodes)]
+    return sorted(e for rank_episodes in gathered for e in rank_episodes) if rank == 0 else []
 
 
 def finish_distributed(run, params, world_size, lost):
@@ -687,14 +674,23 @@ class Run:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
     def episodes(self, step, infos):
-        """CleanRL's charts, one point per finished episode, from gymnasium's episode statistics
-        (in infos["final_info"] under SAME_STEP autoreset)."""
+        """CleanRL's charts, one point per finished episode."""
+        for _, r, n in self.finished(step, infos):
+            self.record(step, r, n)
+
+    @staticmethod
+    def finished(step, infos):
+        """The episodes that ended in `infos`, as (step, return, length), from gymnasium's episode
+        statistics (in infos["final_info"] under SAME_STEP autoreset)."""
         info = infos.get("final_info", infos)
-        if "episode" in info:
-            done = info["_episode"]
-            for r, n in zip(info["episode"]["r"][done], info["episode"]["l"][done]):
-                self.returns.append(float(r))
-                self.scalars(step, {"charts/episodic_return": float(r), "charts/episodic_length": int(n)})
+        if "episode" not in info:
+            return []
+        done = info["_episode"]
+        return [(step, float(r), int(n)) for r, n in zip(info["episode"]["r"][done], info["episode"]["l"][done])]
+
+    def record(self, step, r, n):
+        self.returns.append(r)
+        self.scalars(step, {"charts/episodic_return": r, "charts/episodic_length": n})
 
     def seed_returns(self):
         """Each seed's mean return over its last 10 episodes (None before its first), in seed order."""
@@ -916,7 +912,7 @@ def main(args: Args):
                     if world_size == 1:
                         run.episodes(global_step, infos)
                     else:
-                        finished += episodes_of(global_step, infos)
+                        finished += run.finished(global_step, infos)
 
                 obs_b = torch.stack(obs_list)
                 valid = 1.0 - torch.stack(done_list)
@@ -929,8 +925,8 @@ def main(args: Args):
                 advantages, returns = gae(rewards, values, dones, next_value)
 
             if world_size > 1:
-                for step, infos in gather_episodes(finished, rank, world_size):
-                    run.episodes(step, infos)
+                for step, r, n in gather_episodes(finished, rank, world_size):
+                    run.record(step, r, n)
 
             batch = (
                 obs_b.reshape((batch_size,) + obs_shape).contiguous(memory_format=frame_format),

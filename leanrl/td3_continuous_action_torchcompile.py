@@ -534,14 +534,23 @@ class Run:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
     def episodes(self, step, infos):
-        """CleanRL's charts, one point per finished episode, from gymnasium's episode statistics
-        (in infos["final_info"] under SAME_STEP autoreset)."""
+        """CleanRL's charts, one point per finished episode."""
+        for _, r, n in self.finished(step, infos):
+            self.record(step, r, n)
+
+    @staticmethod
+    def finished(step, infos):
+        """The episodes that ended in `infos`, as (step, return, length), from gymnasium's episode
+        statistics (in infos["final_info"] under SAME_STEP autoreset)."""
         info = infos.get("final_info", infos)
-        if "episode" in info:
-            done = info["_episode"]
-            for r, n in zip(info["episode"]["r"][done], info["episode"]["l"][done]):
-                self.returns.append(float(r))
-                self.scalars(step, {"charts/episodic_return": float(r), "charts/episodic_length": int(n)})
+        if "episode" not in info:
+            return []
+        done = info["_episode"]
+        return [(step, float(r), int(n)) for r, n in zip(info["episode"]["r"][done], info["episode"]["l"][done])]
+
+    def record(self, step, r, n):
+        self.returns.append(r)
+        self.scalars(step, {"charts/episodic_return": r, "charts/episodic_length": n})
 
     def seed_returns(self):
         """Each seed's mean return over its last 10 episodes (None before its first), in seed order."""

@@ -211,7 +211,7 @@ def test_drifted_ranks_stop_the_run(drift, workdir):
 
 def test_the_distributed_helpers_are_the_same_in_both_scripts():
     """One lean pattern: what torchrun needs is the same code in every script that has it."""
-    names = ["init_distributed", "error_line", "broadcast_parameters", "all_reduce_mean", "episodes_of",
+    names = ["init_distributed", "error_line", "broadcast_parameters", "all_reduce_mean",
              "gather_episodes", "finish_distributed"]
     sources = [path.read_text() for path in LEAN_PPO]
 
