@@ -387,7 +387,7 @@ RULES = {
 
 def fail(message):
     """Bad input ends the run with one line on stderr and exit status 2, never a traceback."""
-    print(f"error: {message}", file=sys.stderr)
+    sys.stderr.write(f"error: {message}\n")  # one write: ranks sharing a stderr cannot split it
     sys.exit(2)
 
 

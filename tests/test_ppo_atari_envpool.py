@@ -4,6 +4,7 @@ of the lean policy, the whole-game returns over lives, the --target-kl rule in b
 and the bad-input lines. No learning test: Breakout needs hours here."""
 
 import copy
+import functools
 import types
 from pathlib import Path
 
@@ -293,6 +294,7 @@ def test_returns_count_whole_games_over_lives(script):
     envs = module.RecordEpisodeStatistics(ScriptedAtari(steps))
     charted = []
     run = types.SimpleNamespace(returns=[], scalars=lambda step, values: charted.append((step, values)))
+    run.finished, run.record = module.Run.finished, functools.partial(module.Run.record, run)
     envs.reset()
     for t in range(len(steps)):
         *_, infos = envs.step(np.zeros(2, dtype=np.int64))
