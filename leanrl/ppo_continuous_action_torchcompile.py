@@ -21,6 +21,7 @@ each minibatch step averages the gradients over all of them, and rank 0 alone pr
     torchrun --standalone --nproc_per_node 2 leanrl/ppo_continuous_action_torchcompile.py --compile
 """
 
+import copy
 import importlib.util
 import json
 import math
@@ -31,7 +32,7 @@ import signal
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import gymnasium as gym
@@ -71,6 +72,8 @@ class Args:
     """path of a checkpoint to start from (with `--total-timesteps 0`: evaluate it only)"""
     eval_episodes: int = 0
     """episodes of the deterministic policy to run after training (0: none)"""
+    num_seeds: int = 1
+    """independent agents trained at once, seeds `seed` to `seed + num-seeds - 1` (`total-timesteps` each)"""
 
     # algorithm
     env_id: str = "HalfCheetah-v5"
@@ -170,6 +173,12 @@ def make_envs(args, run_name, num_envs, capture_video=False):
     return envs
 
 
+def seed_slice(infos, k, num_envs):
+    """Seed k's share of a vector env's infos: the values of its sub-envs, k * num_envs onwards."""
+    part = slice(k * num_envs, (k + 1) * num_envs)
+    return {key: seed_slice(value, k, num_envs) if isinstance(value, dict) else value[part] for key, value in infos.items()}
+
+
 def rms_update(mean, var, count, x):
     """gymnasium's RunningMeanStd.update in place, one sample per sub-env (row of `x`): its
     update_mean_var_count_from_moments with batch_var 0 and batch_count 1, in the same order of
@@ -233,6 +242,13 @@ class Normalization:
     def state_dict(self):
         return {"mean": torch.from_numpy(self.mean), "var": torch.from_numpy(self.var), "count": torch.from_numpy(self.count).view(-1)}
 
+    def seed(self, k, num_envs):
+        """Seed k's share (sub-envs k * num_envs onwards) as a Normalization whose statistics are
+        views of these: what seed k saves and evaluates with."""
+        part, rows = copy.copy(self), slice(k * num_envs, (k + 1) * num_envs)
+        part.mean, part.var, part.count = self.mean[rows], self.var[rows], self.count[rows]
+        return part
+
     def load_state_dict(self, state):
         if state["mean"].shape[1:] != self.mean.shape[1:]:
             raise RuntimeError("observation size mismatch")
@@ -270,6 +286,16 @@ class Agent(nn.Module):
     def forward(self, obs):
         action_mean = self.actor_mean(obs)
         return action_mean, self.actor_logstd.expand_as(action_mean), self.critic(obs).flatten()
+
+
+def stack_seeds(networks):
+    """The networks' parameters stacked on a leading seed dimension, as flat names -> tensors.
+    Each network's parameters become views of its slice, so that it acts, evaluates and saves
+    (a state_dict the single-seed script loads) with its seed's current weights."""
+    stacked = torch.stack([from_module(net).data for net in networks]).contiguous()
+    for k, net in enumerate(networks):
+        stacked[k].to_module(net)
+    return stacked.flatten_keys(".")
 
 
 class Adam:
@@ -314,6 +340,21 @@ def make_policy(agent):
     return policy
 
 
+def make_seeds_policy(agent, params, num_seeds):
+    """make_policy for stacked seeds (`stack_seeds`): observations [seeds * envs, n_obs], seed k's
+    envs in block k, each block through its own seed's weights (torch.func.vmap)."""
+    forward = torch.func.vmap(lambda p, x: torch.func.functional_call(agent, p, (x,)))
+
+    def policy(obs):
+        action_mean, logstd, value = forward(params, obs.view(num_seeds, -1, obs.shape[-1]))
+        noise = torch.randn_like(action_mean)
+        action = action_mean + logstd.exp() * noise
+        logprob = (-0.5 * noise.pow(2) - logstd - LOG_SQRT_2PI).sum(2)
+        return action.flatten(0, 1), logprob.flatten(), value.flatten()
+
+    return policy
+
+
 def make_gae(gamma, gae_lambda):
     """Generalized advantage estimation over a rollout of shape (num_steps, num_envs).
 
@@ -337,7 +378,7 @@ def make_gae(gamma, gae_lambda):
     return gae
 
 
-def make_update(agent, optimizer, args, world_size=1):
+def make_update(agent, optimizer, args, world_size=1, num_seeds=1):
     """One minibatch step on the rows `idx` of the rollout: gather, forward, backward
     (torch.func), `clip_grad_norm_`'s arithmetic on the gradients and `Adam`, as one function
     that compiles to one graph. Written with `loss.backward()` and `optim.Adam.step()` it broke
@@ -349,7 +390,11 @@ def make_update(agent, optimizer, args, world_size=1):
     traces it as a functional collective), so every rank takes the same Adam step and reads the
     same `--target-kl` and non-finite checks. The average of the ranks' minibatch means is the
     gradient of their minibatches together; advantages are normalized per rank, as in CleanRL's
-    multi-GPU PPO."""
+    multi-GPU PPO.
+
+    With `num_seeds` > 1 the parameters are stacked seeds (`stack_seeds`), the rollout tensors
+    [seeds, batch, ...] and `idx` [seeds, minibatch]: torch.func.vmap maps the gradient and its
+    clipping over the seeds, and one Adam step (elementwise) updates them all."""
     clip_coef, ent_coef, vf_coef = args.clip_coef, args.ent_coef, args.vf_coef
     norm_adv, clip_vloss, max_grad_norm = args.norm_adv, args.clip_vloss, args.max_grad_norm
 
@@ -387,15 +432,22 @@ def make_update(agent, optimizer, args, world_size=1):
 
     grad_fn = torch.func.grad(loss_fn, has_aux=True)
 
-    def update(obs, actions, logprobs, advantages, returns, values, idx):
+    def clipped_grads(params, obs, actions, logprobs, advantages, returns, values, idx):
         minibatch = (obs[idx], actions[idx], logprobs[idx], advantages[idx], returns[idx], values[idx])
-        grads, metrics = grad_fn(optimizer.params, *minibatch)
+        grads, metrics = grad_fn(params, *minibatch)
         if world_size > 1:
             grads, metrics = all_reduce_mean(grads, metrics, world_size)
         # nn.utils.clip_grad_norm_
         grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
         clip = (max_grad_norm / (grad_norm + 1e-6)).clamp(max=1.0)
-        optimizer.step({name: g * clip for name, g in grads.items()})
+        return {name: g * clip for name, g in grads.items()}, metrics
+
+    if num_seeds > 1:
+        clipped_grads = torch.func.vmap(clipped_grads)
+
+    def update(*batch_and_idx):
+        grads, metrics = clipped_grads(optimizer.params, *batch_and_idx)
+        optimizer.step(grads)
         return metrics
 
     return update
@@ -813,8 +865,22 @@ def main(args: Args):
     minibatch_size = batch_size // args.num_minibatches
     if args.norm_adv and minibatch_size < 2:
         fail(f"--num-minibatches {args.num_minibatches} makes minibatches of 1, whose advantages cannot be normalized: use at most {batch_size // 2}, or --no-norm-adv")
-    num_iterations = args.total_timesteps // global_batch
+    num_seeds, num_iterations = args.num_seeds, args.total_timesteps // global_batch
+    if num_seeds > 1:
+        if world_size > 1:
+            fail("--num-seeds runs several agents in one process: under torchrun give --num-seeds 1")
+        if args.target_kl is not None:
+            fail("--target-kl stops each seed's epochs at a different point, which one stacked update cannot: drop it or use --num-seeds 1")
+        if args.seed + num_seeds > 2**32:
+            fail(f"--seed {args.seed} + --num-seeds {num_seeds} passes 2**32: use a smaller seed")
+        # One line before num_seeds x num_envs envs are made: float32 obs, action, logprob, value,
+        # reward, done, advantage and return per step, and up to 1 MiB per sub-env (MuJoCo: about 1 MiB).
+        probe = make_envs(args, "probe", 1)
+        row_bytes = 4 * (math.prod(probe.single_observation_space.shape) + math.prod(probe.single_action_space.shape) + 6)
+        probe.close()
+        check_memory(num_seeds * (batch_size * row_bytes + args.num_envs * 2**20), device, f"--num-seeds {num_seeds} with --num-envs {args.num_envs}")
     run = Run(args, num_iterations * global_batch, rank=rank)
+    runs = [run] + [Run(replace(args, seed=args.seed + k), run.total_steps, lead=run) for k in range(1, num_seeds)]
 
     # Each rank its own random streams (envs, exploration noise, minibatch order); the initial
     # weights come from rank 0.
@@ -831,7 +897,9 @@ def main(args: Args):
         if rank == 0:
             print("notice: --cudagraphs under torchrun needs --backend nccl; running without CUDA graphs", file=sys.stderr)
 
-    envs = make_envs(args, run.name, args.num_envs, args.capture_video and rank == 0)
+    # Sub-env k * num_envs + i is env i of seed k.
+    num_envs = num_seeds * args.num_envs
+    envs = make_envs(args, run.name, num_envs, args.capture_video and rank == 0)
     n_obs = math.prod(envs.single_observation_space.shape)
     n_act = math.prod(envs.single_action_space.shape)
 
@@ -839,25 +907,38 @@ def main(args: Args):
     # Under torchrun each rank normalizes observations by its own envs' statistics, as CleanRL's
     # multi-GPU PPO does: they are not synced (rank 0's are saved). Ranks see the same
     # distribution, so the statistics agree up to sampling noise.
-    normalization = Normalization(args.num_envs, n_obs, envs.single_action_space, args.gamma, device)
-    networks = {"agent": agent, "obs_rms": normalization}
+    normalization = Normalization(num_envs, n_obs, envs.single_action_space, args.gamma, device)
     if args.load_model:
-        load_checkpoint(args.load_model, networks, args.env_id)
+        load_checkpoint(args.load_model, {"agent": agent, "obs_rms": normalization}, args.env_id)
     if world_size > 1:
         broadcast_parameters(agent.parameters())
     # Acting uses a detached view of the same parameters: no autograd bookkeeping per step, and
     # every optimizer step is visible to it at once (the storages are shared).
     agent_inference = Agent(n_obs, n_act, device="meta")
-    from_module(agent).data.to_module(agent_inference)
+    agents, params = [agent], from_module(agent).data
+    for k in range(1, num_seeds):
+        # Seed k starts from the weights a single run of seed + k starts from.
+        torch.manual_seed(args.seed + k)
+        agents.append(Agent(n_obs, n_act, device=device))
+        if args.load_model:
+            load_checkpoint(args.load_model, {"agent": agents[k]}, args.env_id)
+    if num_seeds > 1:
+        params = stack_seeds(agents)
+    seed_networks = [{"agent": a, "obs_rms": normalization.seed(k, args.num_envs)} for k, a in enumerate(agents)]
 
     # The learning rate is a tensor annealed in place, so annealing never recompiles the update.
     # Eager updates step Adam with the fused kernel; a compiled update traces its per-tensor form.
     lr = torch.tensor(args.learning_rate, device=device)
-    optimizer = Adam(agent.named_parameters(), lr, eps=1e-5, fused=not args.compile, capturable=device.type == "cuda")
+    named = agent.named_parameters() if num_seeds == 1 else params.items()
+    optimizer = Adam(named, lr, eps=1e-5, fused=not args.compile, capturable=device.type == "cuda")
 
-    policy = make_policy(agent_inference)
+    if num_seeds == 1:
+        params.to_module(agent_inference)
+        policy = make_policy(agent_inference)
+    else:
+        policy = make_seeds_policy(agent_inference, dict(params.items()), num_seeds)
     gae = make_gae(args.gamma, args.gae_lambda)
-    update = make_update(agent, optimizer, args, world_size)
+    update = make_update(agent, optimizer, args, world_size, num_seeds)
     # What --compile compiles (2-core CPU, torch 2.13, one thread, minibatch 64):
     # - update: 2.0 ms eager, 0.32 ms compiled (one graph); inductor's C++ wrapper measured
     #   0.26-0.27 ms alone but no faster in whole runs, and adds 7 s to a cold compile. Compiled
@@ -878,9 +959,10 @@ def main(args: Args):
         policy = CudaGraphModule(policy)
 
     global_step = updates = 0
-    next_obs, _ = envs.reset(seed=args.seed + rank)
-    next_obs = normalization.obs(next_obs.reshape(args.num_envs, n_obs))
-    next_done = torch.zeros(args.num_envs, device=device)
+    # Env i of seed k gets the env seed a single run of seed + k gives it.
+    next_obs, _ = envs.reset(seed=args.seed + rank if num_seeds == 1 else [args.seed + k + i for k in range(num_seeds) for i in range(args.num_envs)])
+    next_obs = normalization.obs(next_obs.reshape(num_envs, n_obs))
+    next_done = torch.zeros(num_envs, device=device)
     lost = False
     try:
         for iteration in range(1, num_iterations + 1):
@@ -909,12 +991,15 @@ def main(args: Args):
                         rows = np.flatnonzero(done_np)
                         normalization.final_obs(np.stack([infos["final_obs"][i] for i in rows]).reshape(len(rows), n_obs), rows)
                     reward_list.append(normalization.reward(reward, terminations))
-                    next_obs = normalization.obs(next_obs_np.reshape(args.num_envs, n_obs))
+                    next_obs = normalization.obs(next_obs_np.reshape(num_envs, n_obs))
                     next_done = torch.as_tensor(done_np, device=device, dtype=torch.float)
-                    if world_size == 1:
-                        run.episodes(global_step, infos)
-                    else:
+                    if world_size > 1:
                         finished += run.finished(global_step, infos)
+                    elif num_seeds == 1:
+                        run.episodes(global_step, infos)
+                    elif "final_info" in infos:
+                        for k, seed_run in enumerate(runs):
+                            seed_run.episodes(global_step, seed_slice(infos["final_info"], k, args.num_envs))
 
                 obs_b = torch.stack(obs_list)
                 dones = torch.stack(done_list[1:] + [next_done])
@@ -929,43 +1014,50 @@ def main(args: Args):
                 for step, r, n in gather_episodes(finished, rank, world_size):
                     run.record(step, r, n)
 
-            batch = (
-                obs_b.reshape(batch_size, n_obs),
-                torch.stack(act_list).reshape(batch_size, n_act),
-                torch.stack(logprob_list).reshape(batch_size),
-                advantages.reshape(batch_size),
-                returns.reshape(batch_size),
-                values.reshape(batch_size),
-            )
-            clipfrac_sum = torch.zeros((), device=device)
+            def seeds_first(x):
+                """[num_steps, num_seeds * num_envs, ...] -> [batch_size, ...], or with several
+                seeds [num_seeds, batch_size, ...] (seed k's steps in row k)."""
+                if num_seeds == 1:
+                    return x.reshape(batch_size, *x.shape[2:])
+                return x.unflatten(1, (num_seeds, args.num_envs)).transpose(0, 1).reshape(num_seeds, batch_size, *x.shape[2:])
+
+            act_b, logprob_b = torch.stack(act_list), torch.stack(logprob_list)
+            batch = tuple(seeds_first(x) for x in (obs_b, act_b, logprob_b, advantages, returns, values))
+            clipfrac_sum = torch.zeros(num_seeds, device=device).squeeze(0)
             for epoch in range(args.update_epochs):
-                for idx in torch.randperm(batch_size, device=device).split(minibatch_size):
+                # Each seed its own minibatch order.
+                order = torch.randperm(batch_size, device=device) if num_seeds == 1 else torch.rand(num_seeds, batch_size, device=device).argsort(1)
+                for idx in order.split(minibatch_size, dim=-1):
                     if cudagraphs:
                         torch.compiler.cudagraph_mark_step_begin()
                     # The graphed output is overwritten by the next call: the last one is read.
                     metrics = update(*batch, idx)
-                    clipfrac_sum += metrics[CLIPFRAC]
+                    clipfrac_sum += metrics[..., CLIPFRAC]
                     updates += 1
                 # note: a host sync, once per epoch and only with --target-kl
                 if args.target_kl is not None and metrics[APPROX_KL].item() > args.target_kl:
                     break
 
-            # As CleanRL: the last minibatch's losses, clipfrac over all minibatches.
-            y_pred, y_true = values.flatten(), returns.flatten()
-            var_y = y_true.var(unbiased=False)
-            explained_var = torch.where(var_y > 0, 1 - (y_true - y_pred).var(unbiased=False) / var_y, torch.nan)
-            clipfrac = clipfrac_sum / ((epoch + 1) * args.num_minibatches)
+            # As CleanRL: the last minibatch's losses, clipfrac over all minibatches; per seed.
+            y_pred, y_true = batch[5].view(num_seeds, -1), batch[4].view(num_seeds, -1)
+            var_y = y_true.var(1, unbiased=False)
+            explained_var = torch.where(var_y > 0, 1 - (y_true - y_pred).var(1, unbiased=False) / var_y, torch.nan)
+            clipfrac = clipfrac_sum.view(num_seeds, 1) / ((epoch + 1) * args.num_minibatches)
             # note: the loop's only host sync is here, once per iteration
-            *values_now, explained_var = torch.stack([*metrics[:CLIPFRAC], clipfrac, explained_var]).tolist()
-            losses = dict(zip(METRICS, values_now))
-            bad = next((k for k, v in losses.items() if not math.isfinite(v)), None)
+            seed_stats = torch.cat([metrics.view(num_seeds, -1)[:, :CLIPFRAC], clipfrac, explained_var.view(num_seeds, 1)], 1).tolist()
+            seed_losses = [dict(zip([*METRICS, "losses/explained_variance"], stats)) for stats in seed_stats]
+            bad = next(((k, name) for k, losses in enumerate(seed_losses) for name in METRICS if not math.isfinite(losses[name])), None)
             if bad:
-                run.stop_reason = f"non-finite {bad[len('losses/'):]} {losses[bad]} at step {global_step}"
+                k, name = bad
+                which = f" (seed {args.seed + k})" if num_seeds > 1 else ""
+                for seed_run in runs:
+                    seed_run.stop_reason = f"non-finite {name[len('losses/'):]} {seed_losses[k][name]} at step {global_step}{which}"
                 break
-            metrics = {"charts/learning_rate": lr_now, **losses, "losses/explained_variance": explained_var}
-            run.log(global_step, updates, metrics, networks)
+            for seed_run, losses, networks in zip(runs, seed_losses, seed_networks):
+                seed_run.log(global_step, updates, {"charts/learning_rate": lr_now, **losses}, networks)
     except KeyboardInterrupt:
-        run.interrupted = run.interrupted or signal.SIGINT
+        for seed_run in runs:
+            seed_run.interrupted = run.interrupted or signal.SIGINT
     except RuntimeError as e:  # gloo's and nccl's errors (dist.DistError among them)
         if world_size == 1:
             raise
@@ -975,8 +1067,10 @@ def main(args: Args):
         run.stop_reason = f"rank {rank} stopped at step {global_step}: another rank is gone or was silent for --dist-timeout ({error_line(e)})"
     envs.close()
     fields = finish_distributed(run, agent.parameters(), world_size, lost) if world_size > 1 else {}
-    run.finish(global_step, updates, networks, lambda: evaluate(agent, normalization, args, run.name, device), device=device.type, cudagraphs=cudagraphs,
-               world_size=world_size, batch_size=global_batch, **fields)
+    # The lead finishes last: its summary reports every seed.
+    for seed_run, networks in reversed(list(zip(runs, seed_networks))):
+        seed_run.finish(global_step, updates, networks, lambda: evaluate(networks["agent"], networks["obs_rms"], seed_run.args, seed_run.name, device),
+                        device=device.type, cudagraphs=cudagraphs, world_size=world_size, batch_size=global_batch, **fields)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""`--num-seeds N` in the lean DQN script: the stacked update against N single-seed updates
-(eager and compiled), independence of the seeds, the stacked policy, smoke runs with their
-folders, checkpoints and wandb runs, bad input, and every seed learning CartPole."""
+"""`--num-seeds N` in the lean DQN and PPO continuous scripts: the stacked update against N
+single-seed updates (eager and compiled), independence of the seeds, the stacked policy, smoke
+runs with their folders, checkpoints and wandb runs, bad input, and every seed learning (DQN on
+CartPole, PPO on InvertedPendulum)."""
 
 import copy
 import csv
@@ -14,6 +15,7 @@ from tensordict import from_module
 
 from conftest import TINY, assert_one_line_error, load_script, main_in_process, run_script, scripts
 from test_dqn import LEARNING, LEARNING_THRESHOLD
+from test_ppo_continuous_action import LEARNING_THRESHOLD as PPO_THRESHOLD
 from test_faults import start_long_run, stop_and_read, wait_for
 
 PATH = scripts("dqn_torchcompile.py")[0]
@@ -250,3 +252,161 @@ def test_every_seed_of_four_learns_cartpole(workdir):
     print("per-seed returns:", summary["episodic_returns"])
     assert summary["total_steps"] == 30_000 and summary["num_seeds"] == 4
     assert all(r is not None and r >= LEARNING_THRESHOLD for r in summary["episodic_returns"]), summary
+
+
+# ---------------------------------------------------------------- PPO continuous
+
+PPO_PATH = scripts("ppo_continuous_action_torchcompile.py")[0]
+P_OBS, P_ACT, P_BATCH, P_MINIBATCH = 4, 2, 64, 16
+
+
+@pytest.fixture(scope="module")
+def ppo():
+    return load_script(PPO_PATH)
+
+
+def ppo_case(ppo, seed=0):
+    """N agents, N rollouts [batch, ...] and 4 minibatch index sets [N, minibatch]."""
+    torch.manual_seed(seed)
+    agents = [ppo.Agent(P_OBS, P_ACT) for _ in range(N)]
+    for agent in agents:  # a policy that has moved from its initial, near-zero, output layer
+        agent.actor_mean[4].weight.data.normal_(0, 0.3)
+    rollouts = [(torch.randn(P_BATCH, P_OBS), torch.randn(P_BATCH, P_ACT), torch.randn(P_BATCH) - 3.0,
+                 torch.randn(P_BATCH), torch.randn(P_BATCH), torch.randn(P_BATCH)) for _ in range(N)]
+    idx = [torch.stack([torch.randperm(P_BATCH)[:P_MINIBATCH] for _ in range(N)]) for _ in range(4)]
+    return agents, rollouts, idx
+
+
+def ppo_args(ppo):
+    return ppo.Args(num_minibatches=P_BATCH // P_MINIBATCH)
+
+
+def ppo_stacked(ppo, agents, compiled=False):
+    """The script's --num-seeds set-up over copies of `agents`: stacked parameters, one Adam,
+    the seeds' update."""
+    agents = copy.deepcopy(agents)
+    params = ppo.stack_seeds(agents)
+    optimizer = ppo.Adam(params.items(), torch.tensor(3e-4), eps=1e-5, fused=not compiled)
+    update = ppo.make_update(agents[0], optimizer, ppo_args(ppo), 1, N)
+    return agents, params, torch.compile(update, fullgraph=True) if compiled else update
+
+
+def ppo_single(ppo, agent, compiled=False):
+    agent = copy.deepcopy(agent)
+    optimizer = ppo.Adam(agent.named_parameters(), torch.tensor(3e-4), eps=1e-5, fused=not compiled)
+    update = ppo.make_update(agent, optimizer, ppo_args(ppo))
+    return agent, torch.compile(update, fullgraph=True) if compiled else update
+
+
+def stack_rollouts(rollouts):
+    return tuple(torch.stack(fields) for fields in zip(*rollouts))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_ppo_stacked_update_is_n_single_updates(ppo, compiled):
+    """N=3 stacked PPO agents (vmap over the gradient and its clipping, one Adam step) against 3
+    single-seed updates from the same parameters, on the same 4 minibatches each. Tolerance:
+    float32 summed in another order (differences seen: about 1e-7)."""
+    agents, rollouts, idx = ppo_case(ppo)
+    seed_agents, _, update = ppo_stacked(ppo, agents, compiled)
+    singles = [ppo_single(ppo, agent, compiled) for agent in agents]
+    batch = stack_rollouts(rollouts)
+    for step_idx in idx:
+        metrics = update(*batch, step_idx)
+        assert metrics.shape == (N, len(ppo.METRICS))
+        for k, (agent, single_update) in enumerate(singles):
+            torch.testing.assert_close(metrics[k], single_update(*rollouts[k], step_idx[k]), rtol=1e-5, atol=1e-6)
+            for name, value in agent.state_dict().items():
+                torch.testing.assert_close(seed_agents[k].state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=f"seed {k} {name}")
+    # The steps moved the weights (a test of nothing otherwise).
+    assert not torch.equal(seed_agents[0].critic[0].weight, agents[0].critic[0].weight)
+
+
+@pytest.mark.parametrize("change", ["batch", "data", "params"])
+def test_ppo_changing_one_seed_changes_no_other_seed(ppo, change):
+    results = []
+    for changed in (False, True):
+        agents, rollouts, idx = ppo_case(ppo)
+        if changed and change == "params":
+            agents[1].critic[0].weight.data.mul_(1.5)
+        if changed and change == "data":
+            rollouts[1] = (rollouts[1][0], rollouts[1][1], rollouts[1][2], rollouts[1][3] + 1.0, *rollouts[1][4:])
+        if changed and change == "batch":
+            idx = [torch.cat([i[:1], i[1:2].flip(1) // 2, i[2:]]) for i in idx]
+        seed_agents, _, update = ppo_stacked(ppo, agents)
+        batch = stack_rollouts(rollouts)
+        metrics = torch.stack([update(*batch, i) for i in idx])
+        results.append((metrics, [from_module(a).data.clone() for a in seed_agents]))
+    (before, agents_before), (after, agents_after) = results
+    for k in (0, 2):
+        torch.testing.assert_close(after[:, k], before[:, k], rtol=0, atol=0)
+        torch.testing.assert_close(agents_after[k], agents_before[k], rtol=0, atol=0)
+    assert not torch.equal(after[:, 1], before[:, 1])
+
+
+def test_ppo_stacked_policy_acts_with_each_seeds_agent(ppo):
+    """Sub-env block k gets seed k's value, and a log-probability that is the density of its
+    sampled action under seed k's Gaussian."""
+    agents, _, _ = ppo_case(ppo)
+    params = ppo.stack_seeds(agents)
+    meta = ppo.Agent(P_OBS, P_ACT, device="meta")
+    policy = ppo.make_seeds_policy(meta, dict(params.items()), N)
+    obs = torch.randn(N * 5, P_OBS)
+    with torch.no_grad():
+        action, logprob, value = policy(obs)
+        for k, (agent, block) in enumerate(zip(agents, obs.view(N, 5, P_OBS))):
+            mean, logstd, expected_value = agent(block)
+            rows = slice(5 * k, 5 * (k + 1))
+            torch.testing.assert_close(value[rows], expected_value)
+            density = torch.distributions.Normal(mean, logstd.exp()).log_prob(action[rows]).sum(1)
+            torch.testing.assert_close(logprob[rows], density)
+
+
+@pytest.mark.parametrize("mode", [[], ["--compile"]], ids=["eager", "compile"])
+def test_ppo_two_seeds_run_with_a_folder_each(mode, workdir):
+    summary, _ = run_script(PPO_PATH, *TINY["ppo_continuous_action"], *mode, "--num-seeds", 2, "--seed", 5, "--eval-episodes", 1, cwd=workdir)
+    assert summary["num_seeds"] == 2 and summary["updates"] == 16 and summary["total_steps"] == 256
+    assert None not in summary["episodic_returns"] and None not in summary["eval_returns"]
+    assert summary["episodic_return"] == pytest.approx(sum(summary["episodic_returns"]) / 2, abs=1e-3)
+    dirs = seed_dirs(workdir)
+    assert [d.name.split("__")[2] for d in dirs] == ["5", "6"]
+    for d in dirs:
+        rows = list(csv.DictReader(open(d / "curve.csv")))
+        assert rows and int(rows[-1]["step"]) == 256, d
+
+
+def test_ppo_seed_checkpoint_loads_into_the_single_seed_script(workdir):
+    """Seed 6's checkpoint (its agent and its own envs' observation statistics), evaluated by the
+    single-seed script as seed 6, gives the return the two-seed run reported for it."""
+    summary, _ = run_script(PPO_PATH, *TINY["ppo_continuous_action"], "--num-envs", 2, "--num-seeds", 2, "--seed", 5,
+                            "--save-model", "--eval-episodes", 2, cwd=workdir)
+    checkpoints = [next(d.glob("*.pt")) for d in seed_dirs(workdir)]
+    saved = [torch.load(c, weights_only=True) for c in checkpoints]
+    assert saved[1]["args"]["seed"] == 6 and set(saved[1]["model"]) == {"agent", "obs_rms"}
+    assert saved[1]["model"]["obs_rms"]["mean"].shape == (2, 4)
+    assert saved[1]["model"]["agent"]["critic.0.weight"].shape == (64, 4)
+    assert not torch.equal(saved[0]["model"]["obs_rms"]["mean"], saved[1]["model"]["obs_rms"]["mean"])
+    loaded, _ = run_script(PPO_PATH, "--env-id", "InvertedPendulum-v5", "--load-model", checkpoints[1], "--total-timesteps", 0,
+                           "--eval-episodes", 2, "--seed", 6, cwd=workdir)
+    assert loaded["eval_return"] == summary["eval_returns"][1]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--num-seeds", 2, "--target-kl", 0.01], ["--target-kl", "--num-seeds 1"]),
+    (["--num-seeds", 10**6], ["--num-seeds 1000000", "GiB"]),
+], ids=["target-kl", "no-memory"])
+def test_ppo_bad_num_seeds_is_one_line(argv, words, workdir):
+    _, proc = run_script(PPO_PATH, *TINY["ppo_continuous_action"], *argv, cwd=workdir, check=False)
+    assert_one_line_error(proc, *words)
+    assert proc.returncode == 2
+
+
+@pytest.mark.learning
+def test_every_seed_of_four_learns_inverted_pendulum(workdir):
+    """Each of 4 PPO seeds, trained at once, reaches the single-seed learning test's threshold on
+    its budget (40,960 steps each)."""
+    summary, _ = run_script(PPO_PATH, "--env-id", "InvertedPendulum-v5", "--total-timesteps", 40960, "--num-steps", 1024,
+                            "--seed", 1, "--compile", "--num-seeds", 4, cwd=workdir, timeout=1800)
+    print("per-seed returns:", summary["episodic_returns"])
+    assert summary["total_steps"] == 40960 and summary["num_seeds"] == 4
+    assert all(r is not None and r >= PPO_THRESHOLD for r in summary["episodic_returns"]), summary

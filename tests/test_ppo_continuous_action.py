@@ -284,8 +284,8 @@ def test_target_kl_stops_after_the_epoch_whose_last_minibatch_exceeds_it(path, p
 
             return wrapped
 
-        def scripted_update(agent, optimizer, args, world_size=1):
-            update = make_update(agent, optimizer, args, world_size)
+        def scripted_update(agent, optimizer, args, *rest):
+            update = make_update(agent, optimizer, args, *rest)
 
             def wrapped(*args):
                 metrics = update(*args).clone()
