@@ -18,6 +18,9 @@ Data-parallel over processes, GPUs and nodes when torchrun starts it: --num-envs
 each minibatch step averages the gradients over all of them, and rank 0 alone prints and saves.
 
     torchrun --standalone --nproc_per_node 2 leanrl/ppo_atari_envpool_torchcompile.py --compile
+
+`--num-seeds N` trains seeds `seed` to `seed + N - 1` at once in one process: one envpool of
+N x num_envs games, the agents stacked and the update vmapped over them.
 """
 
 import importlib.util
@@ -30,7 +33,7 @@ import signal
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import gymnasium as gym
@@ -70,6 +73,8 @@ class Args:
     """path of a checkpoint to start from (with `--total-timesteps 0`: evaluate it only)"""
     eval_episodes: int = 0
     """episodes (whole games) of the deterministic policy to run after training (0: none)"""
+    num_seeds: int = 1
+    """independent agents trained at once, seeds `seed` to `seed + num-seeds - 1` (`total-timesteps` each)"""
 
     # algorithm
     env_id: str = "Breakout-v5"
@@ -227,6 +232,12 @@ def make_envs(env_id, num_envs, seed, capture_video=False, video_folder=None):
     return RecordEpisodeStatistics(envs)
 
 
+def seed_slice(infos, k, num_envs):
+    """Seed k's share of a vector env's infos: the values of its sub-envs, k * num_envs onwards."""
+    part = slice(k * num_envs, (k + 1) * num_envs)
+    return {key: seed_slice(value, k, num_envs) if isinstance(value, dict) else value[part] for key, value in infos.items()}
+
+
 def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
     torch.nn.init.orthogonal_(layer.weight, std)
     torch.nn.init.constant_(layer.bias, bias_const)
@@ -255,6 +266,16 @@ class Agent(nn.Module):
     def forward(self, obs):
         hidden = self.network(obs / 255.0)
         return self.actor(hidden), self.critic(hidden).flatten()
+
+
+def stack_seeds(networks):
+    """The networks' parameters stacked on a leading seed dimension, as flat names -> tensors.
+    Each network's parameters become views of its slice, so that it acts, evaluates and saves
+    (a state_dict the single-seed script loads) with its seed's current weights."""
+    stacked = torch.stack([from_module(net).data for net in networks]).contiguous()
+    for k, net in enumerate(networks):
+        stacked[k].to_module(net)
+    return stacked.flatten_keys(".")
 
 
 class Adam:
@@ -301,6 +322,21 @@ def make_policy(agent):
     return policy
 
 
+def make_seeds_policy(agent, params, num_seeds):
+    """make_policy for stacked seeds (`stack_seeds`): frames [seeds * envs, 4, 84, 84], seed k's
+    envs in block k, each block through its own seed's weights (torch.func.vmap)."""
+    forward = torch.func.vmap(lambda p, x: torch.func.functional_call(agent, p, (x,)))
+
+    def policy(obs):
+        logits, value = forward(params, obs.view(num_seeds, -1, *obs.shape[1:]))
+        gumbel = -(-torch.rand_like(logits).log()).log()
+        action = (logits + gumbel).argmax(2)
+        logprob = logits.log_softmax(2).gather(2, action.unsqueeze(2)).squeeze(2)
+        return action.flatten(), logprob.flatten(), value.flatten()
+
+    return policy
+
+
 def make_gae(gamma, gae_lambda):
     """Generalized advantage estimation over a rollout of shape (num_steps, num_envs).
 
@@ -324,7 +360,7 @@ def make_gae(gamma, gae_lambda):
     return gae
 
 
-def make_update(agent, optimizer, args, world_size=1):
+def make_update(agent, optimizer, args, world_size=1, num_seeds=1):
     """One minibatch step as a pure function of tensors, so that torch.compile sees all of it as
     one graph (`fullgraph=True`): the minibatch gather and the uint8-to-float division, forward,
     backward (`torch.func.grad`), gradient clipping and Adam. Written with `loss.backward()` and
@@ -340,7 +376,11 @@ def make_update(agent, optimizer, args, world_size=1):
     traces it as a functional collective), so every rank takes the same Adam step and reads the
     same `--target-kl` and non-finite checks. Averaging the ranks' minibatch means weighs each
     rank's minibatch alike, whatever its count of reset steps; advantages are normalized per
-    rank, as in CleanRL's multi-GPU PPO."""
+    rank, as in CleanRL's multi-GPU PPO.
+
+    With `num_seeds` > 1 the parameters are stacked seeds (`stack_seeds`), the rollout tensors
+    [seeds, batch, ...] and `idx` [seeds, minibatch]: torch.func.vmap maps the gradient and its
+    clipping over the seeds, and one Adam step (elementwise) updates them all."""
     clip_coef, ent_coef, vf_coef = args.clip_coef, args.ent_coef, args.vf_coef
 
     def loss_fn(params, mb_obs, mb_actions, mb_logprobs, mb_advantages, mb_returns, mb_values, mb_valid):
@@ -381,15 +421,22 @@ def make_update(agent, optimizer, args, world_size=1):
 
     grad_fn = torch.func.grad(loss_fn, has_aux=True)
 
-    def update(obs, actions, logprobs, advantages, returns, values, valid, idx):
+    def clipped_grads(params, obs, actions, logprobs, advantages, returns, values, valid, idx):
         minibatch = (obs[idx], actions[idx], logprobs[idx], advantages[idx], returns[idx], values[idx], valid[idx])
-        grads, metrics = grad_fn(optimizer.params, *minibatch)
+        grads, metrics = grad_fn(params, *minibatch)
         if world_size > 1:
             grads, metrics = all_reduce_mean(grads, metrics, world_size)
         # nn.utils.clip_grad_norm_, on the gradients before the step
         grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
         clip = (args.max_grad_norm / (grad_norm + 1e-6)).clamp(max=1.0)
-        optimizer.step({name: g * clip for name, g in grads.items()})
+        return {name: g * clip for name, g in grads.items()}, metrics
+
+    if num_seeds > 1:
+        clipped_grads = torch.func.vmap(clipped_grads)
+
+    def update(*batch_and_idx):
+        grads, metrics = clipped_grads(optimizer.params, *batch_and_idx)
+        optimizer.step(grads)
         return metrics
 
     return update
@@ -489,11 +536,12 @@ def finish_distributed(run, params, world_size, lost):
 
 def explained_variance(y_pred, y_true, valid):
     """CleanRL's 1 - Var[y_true - y_pred] / Var[y_true] (NaN when Var[y_true] is 0) over the valid
-    steps, with masks: indexing by a boolean mask would sync the host with the device."""
-    n = valid.sum()
+    steps of the last dimension (per seed for [seeds, batch]), with masks: indexing by a boolean
+    mask would sync the host with the device."""
+    n = valid.sum(-1)
 
     def var(x):
-        return ((x - (x * valid).sum() / n) ** 2 * valid).sum() / n
+        return ((x - (x * valid).sum(-1, keepdim=True) / n.unsqueeze(-1)) ** 2 * valid).sum(-1) / n
 
     var_y = var(y_true)
     return torch.where(var_y == 0, torch.nan, 1 - var(y_true - y_pred) / var_y)
@@ -813,8 +861,25 @@ def main(args: Args):
     minibatch_size = batch_size // args.num_minibatches
     if args.norm_adv and minibatch_size < 2:
         fail(f"--num-minibatches {args.num_minibatches} makes minibatches of 1, whose advantages cannot be normalized: use at most {batch_size // 2}, or --no-norm-adv")
-    num_iterations = args.total_timesteps // global_batch
+    num_seeds, num_iterations = args.num_seeds, args.total_timesteps // global_batch
+    if num_seeds > 1:
+        if world_size > 1:
+            fail("--num-seeds runs several agents in one process: under torchrun give --num-seeds 1")
+        if args.target_kl is not None:
+            fail("--target-kl stops each seed's epochs at a different point, which one stacked update cannot: drop it or use --num-seeds 1")
+        if args.seed + num_seeds > 2**32:
+            fail(f"--seed {args.seed} + --num-seeds {num_seeds} passes 2**32: use a smaller seed")
+        # One line before num_seeds x num_envs games are made: per step and sub-env the uint8
+        # frames and ten 4-byte numbers, in the rollout and again in the seed-major batch; per
+        # seed its weights, gradients and Adam moments (4 copies of 18 actions' Nature CNN), and
+        # a minibatch's activations (72k floats a frame: the float frames and each layer before
+        # and after its ReLU) with as much again for their gradients; up to 2 MiB per game
+        # (envpool's Breakout: about 1.2 MiB).
+        row_bytes = 2 * (4 * 84 * 84 + 4 * 10)
+        seed_bytes = 4 * 4 * sum(p.numel() for p in Agent(18, device="meta").parameters()) + minibatch_size * 2 * 4 * 72_000
+        check_memory(num_seeds * (batch_size * row_bytes + seed_bytes + args.num_envs * 2**21), device, f"--num-seeds {num_seeds} with --num-envs {args.num_envs}")
     run = Run(args, num_iterations * global_batch, rank=rank)
+    runs = [run] + [Run(replace(args, seed=args.seed + k), run.total_steps, lead=run) for k in range(1, num_seeds)]
 
     # Each rank its own random streams (envs, exploration noise, minibatch order); the initial
     # weights come from rank 0.
@@ -831,8 +896,11 @@ def main(args: Args):
         if rank == 0:
             print("notice: --cudagraphs under torchrun needs --backend nccl; running without CUDA graphs", file=sys.stderr)
 
-    envs = make_envs(args.env_id, args.num_envs, args.seed + rank, args.capture_video and rank == 0, f"videos/{run.name}")
-    obs_shape = envs.single_observation_space.shape
+    # Sub-env k * num_envs + i is env i of seed k. envpool seeds its env j with `seed + j`, so
+    # that env gets seed + k * num_envs + i, not the seed + i of a single run of seed + k: the
+    # seeds are independent streams, not bit-identical to single runs.
+    num_envs = num_seeds * args.num_envs
+    envs = make_envs(args.env_id, num_envs, args.seed + rank, args.capture_video and rank == 0, f"videos/{run.name}")
     n_act = envs.single_action_space.n
 
     agent = Agent(n_act, device=device)
@@ -843,16 +911,32 @@ def main(args: Args):
     # Acting uses a detached view of the same parameters: no autograd bookkeeping per step, and
     # every optimizer step is visible to it at once (the storages are shared).
     agent_inference = Agent(n_act, device="meta")
-    from_module(agent).data.to_module(agent_inference)
+    agents, params = [agent], from_module(agent).data
+    for k in range(1, num_seeds):
+        # Seed k starts from the weights a single run of seed + k starts from.
+        torch.manual_seed(args.seed + k)
+        agents.append(Agent(n_act, device=device))
+        if args.load_model:
+            load_checkpoint(args.load_model, {"agent": agents[k]}, args.env_id)
+    if num_seeds > 1:
+        params = stack_seeds(agents)
+    seed_networks = [{"agent": a} for a in agents]
     # The learning rate is a tensor annealed in place, so annealing never recompiles the update.
     # Eager updates step Adam with the fused kernel; a compiled update traces its per-tensor form.
     # On CUDA, Adam's step counts live on the device (capturable), so a step never syncs.
     lr = torch.tensor(args.learning_rate, device=device)
-    optimizer = Adam(agent.named_parameters(), lr, eps=1e-5, fused=not args.compile, capturable=device.type == "cuda")
+    named = agent.named_parameters() if num_seeds == 1 else params.items()
+    optimizer = Adam(named, lr, eps=1e-5, fused=not args.compile, capturable=device.type == "cuda")
 
-    policy = make_policy(agent_inference)
+    if num_seeds == 1:
+        params.to_module(agent_inference)
+        policy = make_policy(agent_inference)
+    else:
+        policy = make_seeds_policy(agent_inference, dict(params.items()), num_seeds)
     gae = make_gae(args.gamma, args.gae_lambda)
-    update = make_update(agent, optimizer, args, world_size)
+    # One seed calls make_update with today's four arguments, which the --target-kl test's
+    # stand-in for it takes (tests/test_ppo_atari_envpool.py).
+    update = make_update(agent, optimizer, args, world_size) if num_seeds == 1 else make_update(agent, optimizer, args, world_size, num_seeds)
     # What --compile compiles (2-core CPU, torch 2.13, one thread):
     # - update: about 155 ms eager (fused Adam: 2 ms of it), 125 ms compiled per minibatch of
     #   256, both on channels-last frames (see below): the gather, the uint8-to-float division,
@@ -871,13 +955,15 @@ def main(args: Args):
 
     # oneDNN's convolutions are faster channels-last on a CPU (inductor picks that layout itself
     # when compiling), so the update's frames are transposed once per rollout, not in every
-    # minibatch: 235 -> 163 ms per minibatch eager, 181 -> 125 ms compiled.
-    frame_format = torch.channels_last if device.type == "cpu" else torch.contiguous_format
+    # minibatch: 235 -> 163 ms per minibatch eager, 181 -> 125 ms compiled. Stacked seeds keep
+    # theirs as stacked: channels-last is a 4-d layout, and under vmap each convolution runs as
+    # one grouped convolution over the seeds, on a copy that functorch lays out (not measured).
+    frame_format = torch.channels_last if device.type == "cpu" and num_seeds == 1 else torch.contiguous_format
 
     global_step = updates = 0
     next_obs, _ = envs.reset()
     next_obs = torch.as_tensor(next_obs, device=device)
-    next_done = torch.zeros(args.num_envs, device=device)
+    next_done = torch.zeros(num_envs, device=device)
     lost = False
     try:
         for iteration in range(1, num_iterations + 1):
@@ -909,10 +995,13 @@ def main(args: Args):
                     reward_list.append(reward)
                     next_obs = torch.as_tensor(next_obs_np, device=device)
                     next_done = torch.as_tensor(np.logical_or(terminations, truncations), device=device, dtype=torch.float)
-                    if world_size == 1:
-                        run.episodes(global_step, infos)
-                    else:
+                    if world_size > 1:
                         finished += run.finished(global_step, infos)
+                    elif num_seeds == 1:
+                        run.episodes(global_step, infos)
+                    elif infos["_episode"].any():
+                        for k, seed_run in enumerate(runs):
+                            seed_run.episodes(global_step, seed_slice(infos, k, args.num_envs))
 
                 obs_b = torch.stack(obs_list)
                 valid = 1.0 - torch.stack(done_list)
@@ -928,42 +1017,49 @@ def main(args: Args):
                 for step, r, n in gather_episodes(finished, rank, world_size):
                     run.record(step, r, n)
 
-            batch = (
-                obs_b.reshape((batch_size,) + obs_shape).contiguous(memory_format=frame_format),
-                torch.stack(act_list).reshape(batch_size),
-                torch.stack(logprob_list).reshape(batch_size),
-                advantages.reshape(batch_size),
-                returns.reshape(batch_size),
-                values.reshape(batch_size),
-                valid.reshape(batch_size),
-            )
-            clipfrac_sum = torch.zeros((), device=device)
+            def seeds_first(x):
+                """[num_steps, num_seeds * num_envs, ...] -> [batch_size, ...], or with several
+                seeds [num_seeds, batch_size, ...] (seed k's steps in row k)."""
+                if num_seeds == 1:
+                    return x.reshape(batch_size, *x.shape[2:])
+                return x.unflatten(1, (num_seeds, args.num_envs)).transpose(0, 1).reshape(num_seeds, batch_size, *x.shape[2:])
+
+            act_b, logprob_b = torch.stack(act_list), torch.stack(logprob_list)
+            batch = (seeds_first(obs_b).contiguous(memory_format=frame_format),
+                     *(seeds_first(x) for x in (act_b, logprob_b, advantages, returns, values, valid)))
+            clipfrac_sum = torch.zeros(num_seeds, device=device).squeeze(0)
             for epoch in range(args.update_epochs):
-                for idx in torch.randperm(batch_size, device=device).split(minibatch_size):
+                # Each seed its own minibatch order.
+                order = torch.randperm(batch_size, device=device) if num_seeds == 1 else torch.rand(num_seeds, batch_size, device=device).argsort(1)
+                for idx in order.split(minibatch_size, dim=-1):
                     if cudagraphs:
                         torch.compiler.cudagraph_mark_step_begin()
                     # The graphed output is overwritten by the next call: the last one is read.
                     metrics = update(*batch, idx)
-                    clipfrac_sum += metrics[CLIPFRAC]
+                    clipfrac_sum += metrics[..., CLIPFRAC]
                     updates += 1
                 # note: a host sync, once per epoch and only with --target-kl
                 if args.target_kl is not None and metrics[APPROX_KL].item() > args.target_kl:
                     break
 
-            # As CleanRL: the last minibatch's losses, clipfrac over all minibatches.
+            # As CleanRL: the last minibatch's losses, clipfrac over all minibatches; per seed.
             explained_var = explained_variance(batch[5], batch[4], batch[6])
-            clipfrac = clipfrac_sum / ((epoch + 1) * args.num_minibatches)
+            clipfrac = clipfrac_sum.view(num_seeds, 1) / ((epoch + 1) * args.num_minibatches)
             # note: the loop's only host sync is here, once per iteration
-            *values_now, explained_var = torch.stack([*metrics[:CLIPFRAC], clipfrac, explained_var]).tolist()
-            losses = dict(zip(METRICS, values_now))
-            bad = next((k for k, v in losses.items() if not math.isfinite(v)), None)
+            seed_stats = torch.cat([metrics.view(num_seeds, -1)[:, :CLIPFRAC], clipfrac, explained_var.view(num_seeds, 1)], 1).tolist()
+            seed_losses = [dict(zip([*METRICS, "losses/explained_variance"], stats)) for stats in seed_stats]
+            bad = next(((k, name) for k, losses in enumerate(seed_losses) for name in METRICS if not math.isfinite(losses[name])), None)
             if bad:
-                run.stop_reason = f"non-finite {bad[len('losses/'):]} {losses[bad]} at step {global_step}"
+                k, name = bad
+                which = f" (seed {args.seed + k})" if num_seeds > 1 else ""
+                for seed_run in runs:
+                    seed_run.stop_reason = f"non-finite {name[len('losses/'):]} {seed_losses[k][name]} at step {global_step}{which}"
                 break
-            metrics = {"charts/learning_rate": lr_now, **losses, "losses/explained_variance": explained_var}
-            run.log(global_step, updates, metrics, {"agent": agent})
+            for seed_run, losses, networks in zip(runs, seed_losses, seed_networks):
+                seed_run.log(global_step, updates, {"charts/learning_rate": lr_now, **losses}, networks)
     except KeyboardInterrupt:
-        run.interrupted = run.interrupted or signal.SIGINT
+        for seed_run in runs:
+            seed_run.interrupted = run.interrupted or signal.SIGINT
     except RuntimeError as e:  # gloo's and nccl's errors (dist.DistError among them)
         if world_size == 1:
             raise
@@ -973,8 +1069,10 @@ def main(args: Args):
         run.stop_reason = f"rank {rank} stopped at step {global_step}: another rank is gone or was silent for --dist-timeout ({error_line(e)})"
     envs.close()
     fields = finish_distributed(run, agent.parameters(), world_size, lost) if world_size > 1 else {}
-    run.finish(global_step, updates, {"agent": agent}, lambda: evaluate(agent, args, run.name, device), device=device.type, cudagraphs=cudagraphs,
-               world_size=world_size, batch_size=global_batch, **fields)
+    # The lead finishes last: its summary reports every seed.
+    for seed_run, networks in reversed(list(zip(runs, seed_networks))):
+        seed_run.finish(global_step, updates, networks, lambda: evaluate(networks["agent"], seed_run.args, seed_run.name, device),
+                        device=device.type, cudagraphs=cudagraphs, world_size=world_size, batch_size=global_batch, **fields)
 
 
 if __name__ == "__main__":
