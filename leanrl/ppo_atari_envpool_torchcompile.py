@@ -934,9 +934,7 @@ def main(args: Args):
     else:
         policy = make_seeds_policy(agent_inference, dict(params.items()), num_seeds)
     gae = make_gae(args.gamma, args.gae_lambda)
-    # One seed calls make_update with today's four arguments, which the --target-kl test's
-    # stand-in for it takes (tests/test_ppo_atari_envpool.py).
-    update = make_update(agent, optimizer, args, world_size) if num_seeds == 1 else make_update(agent, optimizer, args, world_size, num_seeds)
+    update = make_update(agent, optimizer, args, world_size, num_seeds)
     # What --compile compiles (2-core CPU, torch 2.13, one thread):
     # - update: about 155 ms eager (fused Adam: 2 ms of it), 125 ms compiled per minibatch of
     #   256, both on channels-last frames (see below): the gather, the uint8-to-float division,

@@ -1,7 +1,7 @@
-"""`--num-seeds N` in the lean DQN and PPO continuous scripts: the stacked update against N
-single-seed updates (eager and compiled), independence of the seeds, the stacked policy, smoke
-runs with their folders, checkpoints and wandb runs, bad input, and every seed learning (DQN on
-CartPole, PPO on InvertedPendulum)."""
+"""`--num-seeds N` in the lean DQN, PPO continuous and PPO Atari scripts: the stacked update
+against N single-seed updates (eager and compiled), independence of the seeds, the stacked
+policy, smoke runs with their folders, checkpoints and wandb runs, bad input, and every seed
+learning (DQN on CartPole, PPO on InvertedPendulum; none on Atari, too slow here)."""
 
 import copy
 import csv

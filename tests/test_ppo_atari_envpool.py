@@ -342,7 +342,7 @@ def test_target_kl_stops_both_scripts_at_the_same_epoch(plain, lean, monkeypatch
     # lean: an update that returns the same approx_kl
     lean_feed = iter(LOGRATIOS + [0.0] * 16)
 
-    def scripted_make_update(agent, optimizer, args, world_size=1):
+    def scripted_make_update(agent, optimizer, args, *rest):
         def update(*batch):
             metrics = torch.zeros(len(lean.METRICS))
             metrics[lean.METRICS.index("losses/approx_kl")] = approx_kl(next(lean_feed))
