@@ -107,28 +107,42 @@ def test_epsilon_schedule_end_points_in_both_scripts(plain, lean):
     assert plain.linear_schedule(1.0, 0.05, 0, 0) == lean.linear_schedule(1.0, 0.05, 0, 0) == 0.05
 
 
-def test_lean_policy_reads_the_scheduled_epsilon_at_every_step(lean, monkeypatch, tmp_path):
-    """The policy's 0-d epsilon is the schedule's value at each step, as the plain loop asks it
-    (after counting the step's env steps), from 1.0 down to end_e."""
+def test_lean_rollouts_draw_with_the_scheduled_epsilon_at_every_step(lean, monkeypatch, tmp_path):
+    """Each rollout's draws use the schedule's epsilon at each of its steps, as the plain loop asks
+    it (after counting the step's env steps), from 1.0 down to end_e."""
     seen = []
-    make_policy = lean.make_policy
+    draw_exploration = lean.draw_exploration
 
-    def recording_make_policy(q_network, epsilon, n_act):
-        policy = make_policy(q_network, epsilon, n_act)
+    def recording_draw(epsilons, *rest):
+        seen.extend(epsilons)
+        return draw_exploration(epsilons, *rest)
 
-        def recording_policy(obs):
-            seen.append(epsilon.item())
-            return policy(obs)
-
-        return recording_policy
-
-    monkeypatch.setattr(lean, "make_policy", recording_make_policy)
+    monkeypatch.setattr(lean, "draw_exploration", recording_draw)
     assert main_in_process(lean, "--exploration-fraction", "0.5", tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
-    # 4 rollouts of 64 steps of 2 envs, each followed by one call for next_value
-    acting = [e for i, e in enumerate(seen) if i % 65 != 64]
+    # 4 rollouts of 64 steps of 2 envs
     expected = [lean.linear_schedule(1.0, 0.05, 256, 2 * (k + 1)) for k in range(256)]
-    assert acting == pytest.approx(expected, abs=1e-6)
-    assert acting[-1] == pytest.approx(0.05)
+    assert seen == pytest.approx(expected, abs=1e-12)
+    assert seen[-1] == pytest.approx(0.05)
+
+
+def test_lean_draws_explore_below_epsilon_and_act_at_random(lean):
+    """Rows at epsilon 0 never explore, rows at 1 always do; the policy takes the drawn random
+    action where it explores and the greedy one elsewhere."""
+    torch.manual_seed(0)
+    explore, random_actions = lean.draw_exploration([0.0, 1.0, 0.0, 1.0, 0.5], 1000, 2, "cpu")
+    assert explore.shape == random_actions.shape == (5, 1000)
+    assert not explore[[0, 2]].any() and explore[[1, 3]].all()
+    assert 400 < explore[4].sum() < 600  # 1000 draws at 0.5: the standard deviation is 16
+    assert set(random_actions.unique().tolist()) == {0, 1}
+    q_network = lean.QNetwork(4, 2)
+    policy = lean.make_policy(q_network, 2)
+    obs = torch.randn(1000, 4)
+    with torch.no_grad():
+        greedy = q_network(obs).argmax(dim=1)
+        for row in range(5):
+            action, value = policy(obs, explore[row], random_actions[row])
+            torch.testing.assert_close(action, torch.where(explore[row], random_actions[row], greedy), rtol=0, atol=0)
+            torch.testing.assert_close(value, q_network(obs).max(dim=1).values)
 
 
 # ---------------------------------------------------------------- truncations
