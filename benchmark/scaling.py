@@ -19,9 +19,12 @@ import bench  # noqa: E402  (the runner is the speed benchmark's)
 # case -> (lean script, shared arguments, settings as (label, launcher, extra arguments)). Budgets
 # hold several log points after warm-up at the largest setting; --total-timesteps is per seed.
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+SEEDS = [(f"{n} seeds", [], ["--num-seeds", str(n)]) for n in (1, 8)] + [("8 seeds, 2 threads", [], ["--num-seeds", "8", "--threads", "2"])]
 CASES = {
-    "dqn --num-seeds": ("dqn", ["--compile", "--learning-starts", "1000", "--total-timesteps", "12000"],
-                        [(f"{n} seeds", [], ["--num-seeds", str(n)]) for n in (1, 8)]),
+    "dqn --num-seeds": ("dqn", ["--compile", "--learning-starts", "1000", "--total-timesteps", "12000"], SEEDS),
+    "ppo_continuous_action --num-seeds": ("ppo_continuous_action", ["--compile", "--total-timesteps", "8192"], SEEDS),
+    "ppo_atari_envpool --num-seeds": ("ppo_atari_envpool", ["--compile", "--total-timesteps", "8192"],
+                                      [(f"{n} seeds", [], ["--num-seeds", str(n)]) for n in (1, 4)]),
     "ppo_atari_envpool torchrun": ("ppo_atari_envpool", ["--compile", "--total-timesteps", "8192"],
                                    [(f"{k} ranks", [*TORCHRUN, "--nproc_per_node", str(k)], []) for k in (1, 2)]),
 }
@@ -53,7 +56,7 @@ def main(argv=None):
         for case in args.cases:
             family, shared, settings = CASES[case]
             for label, launcher, extra in settings:
-                log = out / "logs" / f"{family}__{label.replace(' ', '')}__seed{seed}.log"
+                log = out / "logs" / f"{family}__{label.replace(' ', '').replace(',', '_')}__seed{seed}.log"
                 summary = run(bench.SCRIPTS / f"{family}_torchcompile.py", launcher, [*shared, *extra, "--seed", str(seed)], log, args.timeout)
                 print(f"{case}, {label}, seed {seed}: " + (f"{summary['sps']:,.0f} steps/s" if summary else f"failed: see {log}"), flush=True)
                 results.setdefault((case, label), {})[seed] = summary and summary["sps"]

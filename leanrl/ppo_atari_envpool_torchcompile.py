@@ -895,6 +895,11 @@ def main(args: Args):
         cudagraphs = False
         if rank == 0:
             print("notice: --cudagraphs under torchrun needs --backend nccl; running without CUDA graphs", file=sys.stderr)
+    if num_seeds > 1 and device.type == "cpu":
+        # vmap runs the seeds' convolutions as grouped ones, which oneDNN runs 1.8x slower per
+        # seed than one seed's channels-last convolutions (2-core CPU, --compile, 4 seeds: 0.66x
+        # the steps/s of one seed, the update 87% of the time).
+        print("notice: on a CPU, --num-seeds runs Atari seeds slower than one at a time (grouped convolutions); it is meant for a GPU", file=sys.stderr)
 
     # Sub-env k * num_envs + i is env i of seed k. envpool seeds its env j with `seed + j`, so
     # that env gets seed + k * num_envs + i, not the seed + i of a single run of seed + k: the
