@@ -14,7 +14,7 @@
 #   ./run.sh --learning --quick   # 3 seeds, short budgets: under 20 minutes on 2 cores
 #   ./run.sh --learning           # 5 seeds, budgets where the curves still rise: hours
 #
-# Scaling on one machine: --num-seeds 1 against 8, torchrun with 1 process against 2
+# Scaling on one machine: --num-seeds 1 against more seeds, torchrun with 1 process against 2
 # (benchmark/scaling.py):
 #
 #   ./run.sh --scaling
