@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import tyro
 
-from conftest import TINY, load_script, main_in_process, run_script, scripts
+from conftest import TINY, family, load_script, main_in_process, run_script, scripts
 
 PLAIN_PATH, LEAN_PATH = scripts("pqn.py")[0], scripts("pqn_torchcompile.py")[0]
 BOTH = [PLAIN_PATH, LEAN_PATH]
@@ -107,10 +108,11 @@ def test_epsilon_schedule_end_points_in_both_scripts(plain, lean):
     assert plain.linear_schedule(1.0, 0.05, 0, 0) == lean.linear_schedule(1.0, 0.05, 0, 0) == 0.05
 
 
-def test_lean_rollouts_draw_with_the_scheduled_epsilon_at_every_step(lean, monkeypatch, tmp_path):
+@pytest.mark.parametrize("path", scripts("pqn*_torchcompile.py"), ids=lambda p: p.stem)
+def test_lean_rollouts_draw_with_the_scheduled_epsilon_at_every_step(path, monkeypatch, tmp_path):
     """Each rollout's draws use the schedule's epsilon at each of its steps, as the plain loop asks
-    it (after counting the step's env steps), from 1.0 down to end_e."""
-    seen = []
+    it (after counting the step's env steps), from 1.0 down to end_e (CartPole and Atari)."""
+    lean, seen = load_script(path), []
     draw_exploration = lean.draw_exploration
 
     def recording_draw(epsilons, *rest):
@@ -119,10 +121,11 @@ def test_lean_rollouts_draw_with_the_scheduled_epsilon_at_every_step(lean, monke
 
     monkeypatch.setattr(lean, "draw_exploration", recording_draw)
     assert main_in_process(lean, "--exploration-fraction", "0.5", tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
-    # 4 rollouts of 64 steps of 2 envs
-    expected = [lean.linear_schedule(1.0, 0.05, 256, 2 * (k + 1)) for k in range(256)]
+    args = tyro.cli(lean.Args, args=[*TINY[family(path)], "--exploration-fraction", "0.5"])
+    steps = args.total_timesteps // args.num_envs
+    expected = [lean.linear_schedule(1.0, args.end_e, args.total_timesteps / 2, args.num_envs * (k + 1)) for k in range(steps)]
     assert seen == pytest.approx(expected, abs=1e-12)
-    assert seen[-1] == pytest.approx(0.05)
+    assert seen[-1] == pytest.approx(args.end_e)
 
 
 def test_lean_draws_explore_below_epsilon_and_act_at_random(lean):

@@ -83,22 +83,6 @@ def test_epsilon_schedule_end_points_in_both_scripts(plain, lean):
     assert plain.Args().exploration_fraction == lean.Args().exploration_fraction == 0.1
 
 
-def test_lean_rollouts_draw_with_the_scheduled_epsilon_at_every_step(lean, monkeypatch, tmp_path):
-    """Each rollout's draws use the schedule's epsilon at each of its steps (after counting the
-    step's env steps), as the plain loop asks it."""
-    seen = []
-    draw_exploration = lean.draw_exploration
-
-    def recording_draw(epsilons, *rest):
-        seen.extend(epsilons)
-        return draw_exploration(epsilons, *rest)
-
-    monkeypatch.setattr(lean, "draw_exploration", recording_draw)
-    assert main_in_process(lean, "--exploration-fraction", "0.5", tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
-    # 2 rollouts of 16 steps of 2 envs; epsilon from 1.0 to 0.01 over 32 steps
-    assert seen == pytest.approx([lean.linear_schedule(1.0, 0.01, 32, 2 * (k + 1)) for k in range(32)], abs=1e-12)
-
-
 # ---------------------------------------------------------------- update numerics
 
 
