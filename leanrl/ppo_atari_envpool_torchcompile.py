@@ -963,6 +963,13 @@ def main(args: Args):
     # one grouped convolution over the seeds, on a copy that functorch lays out (not measured).
     frame_format = torch.channels_last if device.type == "cpu" and num_seeds == 1 else torch.contiguous_format
 
+    def seeds_first(x):
+        """A rollout [num_steps, num_seeds * num_envs, ...] as a batch [batch_size, ...], or with
+        several seeds [num_seeds, batch_size, ...] (seed k's steps in row k)."""
+        if num_seeds == 1:
+            return x.reshape(batch_size, *x.shape[2:])
+        return x.unflatten(1, (num_seeds, args.num_envs)).transpose(0, 1).reshape(num_seeds, batch_size, *x.shape[2:])
+
     global_step = updates = 0
     next_obs, _ = envs.reset()
     next_obs = torch.as_tensor(next_obs, device=device)
@@ -1019,13 +1026,6 @@ def main(args: Args):
             if world_size > 1:
                 for step, r, n in gather_episodes(finished, rank, world_size):
                     run.record(step, r, n)
-
-            def seeds_first(x):
-                """[num_steps, num_seeds * num_envs, ...] -> [batch_size, ...], or with several
-                seeds [num_seeds, batch_size, ...] (seed k's steps in row k)."""
-                if num_seeds == 1:
-                    return x.reshape(batch_size, *x.shape[2:])
-                return x.unflatten(1, (num_seeds, args.num_envs)).transpose(0, 1).reshape(num_seeds, batch_size, *x.shape[2:])
 
             act_b, logprob_b = torch.stack(act_list), torch.stack(logprob_list)
             batch = (seeds_first(obs_b).contiguous(memory_format=frame_format),

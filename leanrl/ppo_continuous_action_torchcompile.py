@@ -958,6 +958,13 @@ def main(args: Args):
         update = CudaGraphModule(update)
         policy = CudaGraphModule(policy)
 
+    def seeds_first(x):
+        """A rollout [num_steps, num_seeds * num_envs, ...] as a batch [batch_size, ...], or with
+        several seeds [num_seeds, batch_size, ...] (seed k's steps in row k)."""
+        if num_seeds == 1:
+            return x.reshape(batch_size, *x.shape[2:])
+        return x.unflatten(1, (num_seeds, args.num_envs)).transpose(0, 1).reshape(num_seeds, batch_size, *x.shape[2:])
+
     global_step = updates = 0
     # Env i of seed k gets the env seed a single run of seed + k gives it.
     next_obs, _ = envs.reset(seed=args.seed + rank if num_seeds == 1 else [args.seed + k + i for k in range(num_seeds) for i in range(args.num_envs)])
@@ -1013,13 +1020,6 @@ def main(args: Args):
             if world_size > 1:
                 for step, r, n in gather_episodes(finished, rank, world_size):
                     run.record(step, r, n)
-
-            def seeds_first(x):
-                """[num_steps, num_seeds * num_envs, ...] -> [batch_size, ...], or with several
-                seeds [num_seeds, batch_size, ...] (seed k's steps in row k)."""
-                if num_seeds == 1:
-                    return x.reshape(batch_size, *x.shape[2:])
-                return x.unflatten(1, (num_seeds, args.num_envs)).transpose(0, 1).reshape(num_seeds, batch_size, *x.shape[2:])
 
             act_b, logprob_b = torch.stack(act_list), torch.stack(logprob_list)
             batch = tuple(seeds_first(x) for x in (obs_b, act_b, logprob_b, advantages, returns, values))
