@@ -292,34 +292,36 @@ class Adam:
         )
 
 
-def make_policy(q_network, epsilon, n_act):
-    """Acting: one epsilon-greedy step for every env. `epsilon` is a 0-d tensor the loop updates
-    in place, so a compiled or graphed policy reads the current value without recompiling. The
-    layers are applied with F.linear on the Q-network's own parameters: for a few observations
-    each nn.Module call costs more than its matmul (54 us a step through the module, 31 us so,
-    on a CPU)."""
+def draw_exploration(epsilons, num_envs, n_act, device):
+    """Epsilon-greedy's draws for a block of steps at once, [num_steps, num_envs]: whether each
+    env explores at each step (a uniform below that step's epsilon) and the random action it would
+    take. Two ops per block, not two per step: numpy's draws of a few numbers cost several us each,
+    11% of a compiled run on a CPU."""
+    explore = torch.rand(len(epsilons), num_envs, device=device) < torch.tensor(epsilons, device=device).unsqueeze(1)
+    return explore, torch.randint(n_act, (len(epsilons), num_envs), device=device)
+
+
+def make_policy(q_network):
+    """Acting: the greedy action of every env (exploration is drawn on the host in the loop, as in
+    dqn.py, so a step where every env explores skips the network). The layers are applied with
+    F.linear on the Q-network's own parameters: for a few observations each nn.Module call costs
+    more than its matmul (54 us a step through the module, 31 us so, on a CPU)."""
     layers = [(m.weight, m.bias) for m in q_network.network if isinstance(m, nn.Linear)]
 
     def policy(obs):
         x = obs
         for weight, bias in layers[:-1]:
             x = F.linear(x, weight, bias).relu_()
-        q_values = F.linear(x, *layers[-1])
-        explore = torch.rand(obs.shape[0], device=obs.device) < epsilon
-        random_actions = torch.randint(n_act, (obs.shape[0],), device=obs.device)
-        return torch.where(explore, random_actions, q_values.argmax(dim=1))
+        return F.linear(x, *layers[-1]).argmax(dim=1)
 
     return policy
 
 
-def make_seeds_policy(params, epsilon, n_act, num_seeds):
+def make_seeds_policy(params, num_seeds):
     """make_policy for stacked seeds: observations [seeds * envs, n_obs], seed k's envs in block k."""
 
     def policy(obs):
-        q_values = seeds_q_values(params, obs.view(num_seeds, -1, obs.shape[-1]))
-        explore = torch.rand(obs.shape[0], device=obs.device) < epsilon
-        random_actions = torch.randint(n_act, (obs.shape[0],), device=obs.device)
-        return torch.where(explore, random_actions, q_values.argmax(dim=2).flatten())
+        return seeds_q_values(params, obs.view(num_seeds, -1, obs.shape[-1])).argmax(dim=2).flatten()
 
     return policy
 
@@ -722,14 +724,13 @@ def main(args: Args):
         """Per-sub-env values as buffer rows: env i of every seed in row i."""
         return x if num_seeds == 1 else x.reshape(num_seeds, args.num_envs, *x.shape[1:]).swapaxes(0, 1)
 
-    epsilon = torch.tensor(args.start_e, device=device)
     # On CUDA, Adam's step counts live on the device (capturable), so the update never syncs.
     capturable, q_networks = device.type == "cuda", [q_network]
     if num_seeds == 1:
         q_params, target_params = from_module(q_network).data, from_module(target_network).data
         target_params.copy_(q_params)
         optimizer = Adam(q_network.named_parameters(), args.learning_rate, capturable=capturable)
-        policy = make_policy(q_network, epsilon, n_act)
+        policy = make_policy(q_network)
         update = make_update(q_network, target_network, optimizer, rb.storage, args.gamma)
     else:
         for k in range(1, num_seeds):
@@ -741,13 +742,13 @@ def main(args: Args):
         q_params = stack_seeds(q_networks)
         target_params = q_params.clone()
         optimizer = Adam(q_params.items(), args.learning_rate, capturable=capturable)
-        policy = make_seeds_policy(dict(q_params.items()), epsilon, n_act, num_seeds)
+        policy = make_seeds_policy(dict(q_params.items()), num_seeds)
         update = make_seeds_update(dict(q_params.items()), dict(target_params.items()), optimizer, rb.storage, args.gamma, num_seeds)
     # What --compile compiles (2-core CPU, torch 2.13, one thread, batch 128):
     # - update: 1.5 ms eager, 0.38 ms compiled (one graph: 11 matmuls and 9 fused kernels),
     #   0.33 ms with inductor's C++ wrapper, which drops the Python glue between kernels (CPU only);
-    # - policy: 31 us eager, 66 us compiled for one observation on a CPU (the compiled call's
-    #   wrappers cost more than fusing ten tiny ops saves), so it is compiled on CUDA only.
+    # - policy: 15-20 us eager, 35 us compiled for one observation on a CPU (the compiled call's
+    #   wrappers cost more than fusing eight tiny ops saves), so it is compiled on CUDA only.
     if args.compile:
         update = torch.compile(update, options={"cpp_wrapper": True} if device.type == "cpu" else None)
         if device.type == "cuda":
@@ -757,7 +758,7 @@ def main(args: Args):
         policy = CudaGraphModule(policy)
 
     global_step = updates = 0
-    metrics, epsilon_value = None, args.start_e
+    metrics, epsilon = None, args.start_e
     # Env i of seed k gets the env seed a single run of seed + k gives it.
     obs, _ = envs.reset(seed=[args.seed + k + i for k in range(num_seeds) for i in range(args.num_envs)])
     obs = obs.reshape(num_seeds * args.num_envs, n_obs).astype(np.float32, copy=False)
@@ -765,12 +766,18 @@ def main(args: Args):
         # Gradients come from torch.func inside the update, which this context does not reach.
         with torch.no_grad():
             for iteration in range(num_iterations):
-                epsilon_value = linear_schedule(args.start_e, args.end_e, args.exploration_fraction * args.total_timesteps, global_step)
-                epsilon.copy_(epsilon_value)
-                if cudagraphs:
-                    torch.compiler.cudagraph_mark_step_begin()
-                # note: .cpu() is a CPU-GPU sync point on CUDA, which the host env needs anyway
-                actions = policy(torch.from_numpy(obs).to(device)).cpu().numpy()
+                step = iteration % 256
+                if step == 0:
+                    # Drawn on the host, where the env is: a step where every env explores skips the network.
+                    epsilons = [linear_schedule(args.start_e, args.end_e, args.exploration_fraction * args.total_timesteps, global_step + args.num_envs * t)
+                                for t in range(256)]
+                    explore, random_actions = (x.numpy() for x in draw_exploration(epsilons, num_seeds * args.num_envs, n_act, "cpu"))
+                epsilon, actions = epsilons[step], random_actions[step]
+                if not explore[step].all():
+                    if cudagraphs:
+                        torch.compiler.cudagraph_mark_step_begin()
+                    # note: .cpu() is a CPU-GPU sync point on CUDA, which the host env needs anyway
+                    actions = np.where(explore[step], actions, policy(torch.from_numpy(obs).to(device)).cpu().numpy())
                 next_obs, rewards, terminations, truncations, infos = envs.step(actions)
                 global_step += args.num_envs
                 if num_seeds == 1:
@@ -806,7 +813,7 @@ def main(args: Args):
                             seed_run.stop_reason = f"non-finite td_loss {seed_stats[k]['losses/td_loss']} at step {global_step}{which}"
                         break
                     for seed_run, stats, net in zip(runs, seed_stats, q_networks):
-                        seed_run.log(global_step, updates, {**stats, "charts/epsilon": epsilon_value}, {"q_network": net})
+                        seed_run.log(global_step, updates, {**stats, "charts/epsilon": epsilon}, {"q_network": net})
     except KeyboardInterrupt:
         for seed_run in runs:
             seed_run.interrupted = run.interrupted or signal.SIGINT

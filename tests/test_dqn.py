@@ -52,26 +52,21 @@ def run_in_process(module, monkeypatch, tmp_path, **kwargs):
     module.main(module.Args(**kwargs))
 
 
-def test_lean_policy_acts_with_the_scheduled_epsilon_from_step_zero(lean, monkeypatch, tmp_path):
-    """The epsilon the policy reads at each step is the schedule's value at that step: 1.0 at
-    the start, not its final value (the original LeanRL held it at end_e from step 0)."""
+def test_lean_draws_use_the_scheduled_epsilon_from_step_zero(lean, monkeypatch, tmp_path):
+    """The draws for each step use the schedule's value at that step, as the plain loop asks it:
+    1.0 at the start, not its final value (the original LeanRL held it at end_e from step 0)."""
     seen = []
-    make_policy = lean.make_policy
+    draw_exploration = lean.draw_exploration
 
-    def recording_make_policy(q_network, epsilon, n_act):
-        policy = make_policy(q_network, epsilon, n_act)
+    def recording_draw(epsilons, *rest):
+        seen.extend(epsilons)
+        return draw_exploration(epsilons, *rest)
 
-        def recording_policy(obs):
-            seen.append(epsilon.item())
-            return policy(obs)
-
-        return recording_policy
-
-    monkeypatch.setattr(lean, "make_policy", recording_make_policy)
-    run_in_process(lean, monkeypatch, tmp_path, total_timesteps=300, learning_starts=10_000, exploration_fraction=0.5)
-    expected = [lean.linear_schedule(1.0, 0.05, 150, t) for t in range(300)]
+    monkeypatch.setattr(lean, "draw_exploration", recording_draw)
+    run_in_process(lean, monkeypatch, tmp_path, total_timesteps=600, learning_starts=10_000, exploration_fraction=0.5, num_envs=2)
+    expected = [lean.linear_schedule(1.0, 0.05, 300, t) for t in range(0, 600, 2)]
     assert seen[0] == 1.0
-    assert seen == pytest.approx(expected, abs=1e-6)
+    assert seen[: len(expected)] == pytest.approx(expected, abs=1e-12)
 
 
 def test_plain_loop_asks_the_schedule_at_every_step(plain, monkeypatch, tmp_path):
@@ -195,19 +190,20 @@ def test_plain_buffer_samples_only_filled_rows(plain):
 # ---------------------------------------------------------------- policy
 
 
-def test_lean_policy_is_greedy_at_epsilon_zero_and_uniform_at_one(lean):
-    """The policy applies the Q-network's layers itself (for speed): at epsilon 0 its actions are
-    the argmax of the module's forward; at epsilon 1 they are uniform over the actions."""
+def test_lean_policy_is_greedy_and_draws_explore_below_epsilon(lean):
+    """The policy applies the Q-network's layers itself (for speed): its actions are the argmax
+    of the module's forward. Draws at epsilon 0 never explore, at 1 always do, with uniform actions."""
     torch.manual_seed(0)
     n_act = 3
     q_network = lean.QNetwork(4, n_act)
-    epsilon = torch.tensor(0.0)
-    policy = lean.make_policy(q_network, epsilon, n_act)
     obs = torch.randn(4096, 4)
     with torch.no_grad():
-        torch.testing.assert_close(policy(obs), q_network(obs).argmax(dim=1), rtol=0, atol=0)
-        epsilon.copy_(1.0)
-        counts = torch.bincount(policy(obs), minlength=n_act).float() / len(obs)
+        torch.testing.assert_close(lean.make_policy(q_network)(obs), q_network(obs).argmax(dim=1), rtol=0, atol=0)
+    explore, random_actions = lean.draw_exploration([0.0, 1.0, 0.5], 4096, n_act, "cpu")
+    assert explore.shape == random_actions.shape == (3, 4096)
+    assert not explore[0].any() and explore[1].all()
+    assert 1900 < explore[2].sum() < 2200  # 4096 draws at 0.5: the standard deviation is 32
+    counts = torch.bincount(random_actions[1], minlength=n_act).float() / 4096
     # 4096 draws: the standard error of each frequency is 0.007; 0.04 is over 5 of them.
     torch.testing.assert_close(counts, torch.full((n_act,), 1 / n_act), rtol=0, atol=0.04)
 
