@@ -5,8 +5,9 @@ and defaults of CleanRL's `dqn.py`: an MLP Q-network, a replay buffer, a target 
 linearly decaying epsilon-greedy exploration. It learns as the plain script `dqn.py` does; what
 changes is where the time goes: the replay buffer lives on the training device and is gathered
 inside the update, the update (gather, both forward passes, backward, Adam) is one function
-that compiles to one graph, acting applies the layers directly, and nothing syncs the host with
-the device between two log points.
+that compiles to one graph, acting applies the layers directly (and only on steps where some env
+acts greedily: exploration is drawn on the host, 256 steps at once), and nothing syncs the host
+with the device between two log points.
 
     python leanrl/dqn_torchcompile.py
     python leanrl/dqn_torchcompile.py --compile
