@@ -13,6 +13,8 @@
 #
 #   ./run.sh --learning --quick   # 3 seeds, short budgets: under 20 minutes on 2 cores
 #   ./run.sh --learning           # 5 seeds, budgets where the curves still rise: hours
+#   ./run.sh --learning --pairs sac_continuous_action --seeds 4 5 --out B   # more seeds later
+#   ./run.sh --learning --merge A B --out AB                                 # one table of both
 #
 # Scaling on one machine: --num-seeds 1 against more seeds, torchrun with 1 process against 2
 # (benchmark/scaling.py):

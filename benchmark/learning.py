@@ -73,6 +73,30 @@ def run_all(runs, out, jobs, timeout):
     return results
 
 
+def parser_error(message):
+    """Bad input: one line on stderr, exit status 2, as the scripts do."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def merge(folders):
+    """The runs of several earlier profiles as one list; a run found twice (same pair, side and
+    seed) or a folder without results.jsonl ends with one line."""
+    results, seen = [], {}
+    for folder in folders:
+        path = folder / "results.jsonl"
+        if not path.is_file():
+            parser_error(f"{path} does not exist: pass folders that ./run.sh --learning --out wrote")
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            key = (r["pair"], r["side"], r["seed"])
+            if key in seen:
+                parser_error(f"{' '.join(map(str, key))} is in both {seen[key]} and {folder}: merge each run once")
+            seen[key] = folder
+            results.append(r)
+    return results
+
+
 def bootstrap_interval(a, b, resamples=10_000, seed=0):
     """95% percentile-bootstrap interval of mean(b) - mean(a), resampling each side's seeds."""
     rng = np.random.default_rng(seed)
@@ -150,22 +174,31 @@ def main(argv=None):
     parser.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each (default 2)")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: bench_results/learning-<profile>-<time>)")
     parser.add_argument("--timeout", type=int, default=6 * 3600, help="seconds before one run is abandoned")
+    parser.add_argument("--merge", nargs="+", type=Path, default=None, metavar="DIR",
+                        help="run nothing: one table and plot from the results.jsonl of earlier --out folders (seeds run in parts)")
     args = parser.parse_args(argv)
     profile = "quick" if args.quick else "full"
     seeds = args.seeds or SEEDS[profile]
     out = (args.out or bench.ROOT / "bench_results" / f"learning-{profile}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
-    (out / "logs").mkdir(parents=True, exist_ok=True)
+    (out if args.merge else out / "logs").mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    results = run_all(plan(args.pairs, seeds, profile, args.steps), out, args.jobs, args.timeout)
+    if args.merge:
+        results = merge(args.merge)
+        seeds = sorted({r["seed"] for r in results})
+    else:
+        results = run_all(plan(args.pairs, seeds, profile, args.steps), out, args.jobs, args.timeout)
     command = "./run.sh --learning " + " ".join(argv if argv is not None else sys.argv[1:])
     info = {**bench.machine(), "profile": profile, "seeds": seeds, "command": command.strip(), "wall": bench.duration(time.perf_counter() - start)}
+    if args.merge:
+        (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
+        info["wall"] = "merged: " + ", ".join(str(d) for d in args.merge)
     table = summarize(results, info)
     (out / "table.md").write_text(table)
     if results:
         plot(results, out / "learning.png")
     print(table)
     print(f"results: {out / 'results.jsonl'}; table: {out / 'table.md'}; plot: {out / 'learning.png'}")
-    return 0 if len(results) == 2 * len(seeds) * len(args.pairs) else 1
+    return 0 if args.merge or len(results) == 2 * len(seeds) * len(args.pairs) else 1
 
 
 if __name__ == "__main__":

@@ -56,3 +56,30 @@ def test_tiny_learning_profile_writes_table_and_plot(learning, tmp_path):
     assert all(r["total_steps"] == 512 and r["curve"] for r in records)
     assert "| pqn | CartPole-v1 | 512 |" in (tmp_path / "table.md").read_text()
     assert (tmp_path / "learning.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_merge_makes_one_table_from_parts_and_refuses_a_run_twice(learning, tmp_path, capsys):
+    """Seeds run in parts (two --out folders) merge into one table and plot; the same run in two
+    folders, or a folder without results, is one line and exit status 2."""
+    parts = []
+    for part, seeds in enumerate(([1, 2], [3])):
+        folder = tmp_path / f"part{part}"
+        folder.mkdir()
+        rows = [{"pair": "td3_continuous_action", "side": side, "seed": s, "env_id": "HalfCheetah-v5", "total_steps": 1000,
+                 "episodic_return": 10.0 * s + (1 if side == "lean" else 0), "curve": [[500, 1.0, 0.0], [1000, 2.0, 10.0 * s]]}
+                for s in seeds for side in ("plain", "lean")]
+        (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        parts.append(str(folder))
+    out = tmp_path / "merged"
+    assert learning.main(["--merge", *parts, "--out", str(out)]) == 0
+    table = (out / "table.md").read_text()
+    assert "20.0 ± 10.0 (n=3)" in table and "21.0 ± 10.0 (n=3)" in table and "seeds [1, 2, 3]" in table
+    assert len((out / "results.jsonl").read_text().splitlines()) == 6
+    assert (out / "learning.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    capsys.readouterr()
+    for folders in ([parts[0], parts[0]], [str(tmp_path / "nothing")]):
+        with pytest.raises(SystemExit) as stop:
+            learning.main(["--merge", *folders, "--out", str(tmp_path / "again")])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1
