@@ -191,14 +191,20 @@ def test_plain_buffer_samples_only_filled_rows(plain):
 
 
 def test_lean_policy_is_greedy_and_draws_explore_below_epsilon(lean):
-    """The policy applies the Q-network's layers itself (for speed): its actions are the argmax
-    of the module's forward. Draws at epsilon 0 never explore, at 1 always do, with uniform actions."""
+    """The policy applies the Q-network's layers itself (for speed), in torch and in numpy on the
+    host: its actions are the argmax of the module's forward, and the numpy one sees an in-place
+    step of the parameters. Draws at epsilon 0 never explore, at 1 always do, with uniform actions."""
     torch.manual_seed(0)
     n_act = 3
     q_network = lean.QNetwork(4, n_act)
     obs = torch.randn(4096, 4)
     with torch.no_grad():
-        torch.testing.assert_close(lean.make_policy(q_network)(obs), q_network(obs).argmax(dim=1), rtol=0, atol=0)
+        for host in (False, True):
+            policy = lean.make_policy(q_network, host)
+            torch.testing.assert_close(policy(obs), q_network(obs).argmax(dim=1), rtol=0, atol=0)
+            for p in q_network.parameters():
+                p.add_(torch.randn_like(p))  # as Adam steps: in place
+            torch.testing.assert_close(policy(obs), q_network(obs).argmax(dim=1), rtol=0, atol=0)
     explore, random_actions = lean.draw_exploration([0.0, 1.0, 0.5], 4096, n_act, "cpu")
     assert explore.shape == random_actions.shape == (3, 4096)
     assert not explore[0].any() and explore[1].all()
