@@ -53,8 +53,9 @@ def plan(pairs, seeds, profile, steps=None):
 
 
 def run_all(runs, out, jobs, timeout):
-    """Run the plan, `jobs` at a time; append each summary (with its curve) to results.jsonl."""
+    """Run the plan, `jobs` at a time, each run's log in out/logs; their summaries (with curves)."""
     start, done = time.perf_counter(), []
+    (out / "logs").mkdir(exist_ok=True)
 
     def one(run):
         pair, side, seed, script, argv = run
@@ -66,11 +67,7 @@ def run_all(runs, out, jobs, timeout):
         return None if summary is None else {"pair": pair, "side": side, **summary}
 
     with ThreadPoolExecutor(jobs) as pool:
-        results = [r for r in pool.map(one, runs) if r]
-    with open(out / "results.jsonl", "w") as sink:
-        for r in results:
-            print(json.dumps(r), file=sink)
-    return results
+        return [r for r in pool.map(one, runs) if r]
 
 
 def parser_error(message):
@@ -180,18 +177,17 @@ def main(argv=None):
     profile = "quick" if args.quick else "full"
     seeds = args.seeds or SEEDS[profile]
     out = (args.out or bench.ROOT / "bench_results" / f"learning-{profile}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
-    (out if args.merge else out / "logs").mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     if args.merge:
         results = merge(args.merge)
-        seeds = sorted({r["seed"] for r in results})
+        seeds, wall = sorted({r["seed"] for r in results}), "merged: " + ", ".join(str(d) for d in args.merge)
     else:
         results = run_all(plan(args.pairs, seeds, profile, args.steps), out, args.jobs, args.timeout)
+        wall = bench.duration(time.perf_counter() - start)
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
     command = "./run.sh --learning " + " ".join(argv if argv is not None else sys.argv[1:])
-    info = {**bench.machine(), "profile": profile, "seeds": seeds, "command": command.strip(), "wall": bench.duration(time.perf_counter() - start)}
-    if args.merge:
-        (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
-        info["wall"] = "merged: " + ", ".join(str(d) for d in args.merge)
+    info = {**bench.machine(), "profile": profile, "seeds": seeds, "command": command.strip(), "wall": wall}
     table = summarize(results, info)
     (out / "table.md").write_text(table)
     if results:
