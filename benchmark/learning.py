@@ -78,8 +78,8 @@ def parser_error(message):
 
 def merge(folders):
     """The runs of several earlier profiles as one list; a run found twice (same pair, side and
-    seed) or a folder without results.jsonl ends with one line."""
-    results, seen = [], {}
+    seed), a pair run on two tasks or budgets, or a folder without results.jsonl ends with one line."""
+    results, seen, task = [], {}, {}
     for folder in folders:
         path = folder / "results.jsonl"
         if not path.is_file():
@@ -90,8 +90,18 @@ def merge(folders):
             if key in seen:
                 parser_error(f"{' '.join(map(str, key))} is in both {seen[key]} and {folder}: merge each run once")
             seen[key] = folder
+            first = task.setdefault(r["pair"], (r["env_id"], r["total_steps"], folder))
+            if first[:2] != (r["env_id"], r["total_steps"]):
+                parser_error(f"{r['pair']} ran {first[0]} for {first[1]:,} steps in {first[2]} and {r['env_id']} for "
+                             f"{r['total_steps']:,} in {folder}: merge runs of one profile")
             results.append(r)
     return results
+
+
+def profile_of(results):
+    """The profile whose budgets the merged runs used (per pair, the nearer one)."""
+    found = {min(PAIRS[r["pair"]], key=lambda p: abs(PAIRS[r["pair"]][p][1] - r["total_steps"])) for r in results}
+    return "+".join(sorted(found)) or "none"
 
 
 def bootstrap_interval(a, b, resamples=10_000, seed=0):
@@ -174,6 +184,8 @@ def main(argv=None):
     parser.add_argument("--merge", nargs="+", type=Path, default=None, metavar="DIR",
                         help="run nothing: one table and plot from the results.jsonl of earlier --out folders (seeds run in parts)")
     args = parser.parse_args(argv)
+    if args.merge and (args.quick or args.seeds or args.steps or args.pairs != list(PAIRS)):
+        parser_error("--merge runs nothing: drop --quick, --pairs, --seeds and --steps (the parts' runs are all merged)")
     profile = "quick" if args.quick else "full"
     seeds = args.seeds or SEEDS[profile]
     out = (args.out or bench.ROOT / "bench_results" / f"learning-{profile}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
@@ -182,6 +194,7 @@ def main(argv=None):
     if args.merge:
         results = merge(args.merge)
         seeds, wall = sorted({r["seed"] for r in results}), "merged: " + ", ".join(str(d) for d in args.merge)
+        profile = profile_of(results)
     else:
         results = run_all(plan(args.pairs, seeds, profile, args.steps), out, args.jobs, args.timeout)
         wall = bench.duration(time.perf_counter() - start)

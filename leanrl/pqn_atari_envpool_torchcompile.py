@@ -292,7 +292,7 @@ def draw_exploration(epsilons, num_envs, n_act, device):
     return explore, torch.randint(n_act, (len(epsilons), num_envs), device=device)
 
 
-def make_policy(q_network, n_act):
+def make_policy(q_network):
     """Acting: one epsilon-greedy step for every env, and max Q of each frame stack (the values
     the Q(lambda) returns bootstrap from); `explore` and `random_actions` are the step's row of
     `draw_exploration`."""
@@ -701,7 +701,7 @@ def main(args: Args):
     storage["actions"] = torch.empty(steps_envs, dtype=torch.long, device=device)
     storage["values"] = torch.empty(steps_envs, device=device)
 
-    policy = make_policy(q_network, n_act)
+    policy = make_policy(q_network)
     returns_fn = make_returns(args.gamma, args.q_lambda)
     update = make_update(q_network, optimizer, args.max_grad_norm)
     # What --compile compiles (2-core CPU, torch 2.13, one thread, best of 4 interleaved runs):

@@ -232,13 +232,12 @@ def draw_exploration(epsilons, num_envs, n_act, device):
     return explore, torch.randint(n_act, (len(epsilons), num_envs), device=device)
 
 
-def make_policy(q_network, n_act):
+def make_policy(q_network):
     """Acting: one epsilon-greedy step for every env, and max Q of each observation (the values
     the Q(lambda) returns bootstrap from); `explore` and `random_actions` are the step's row of
-    `draw_exploration`. The layers are
-    applied with F.linear and F.layer_norm on the Q-network's own parameters: for a few
-    observations each nn.Module call costs more than its arithmetic (35 us a step so, 54 us through
-    the module, on a CPU). Unlike lean DQN's, it stays in torch on a CPU: in numpy its LayerNorms'
+    `draw_exploration`. The layers are applied with F.linear and F.layer_norm on the Q-network's
+    own parameters: for a few observations each nn.Module call costs more than its arithmetic (35
+    us a step so, 54 us through the module, on a CPU). Unlike lean DQN's, it stays in torch on a CPU: in numpy its LayerNorms'
     row reductions cost as much as the torch ops (75 us a step in the loop either way)."""
     linears = [(m.weight, m.bias) for m in q_network.network if isinstance(m, nn.Linear)]
     norms = [(m.normalized_shape, m.weight, m.bias, m.eps) for m in q_network.network if isinstance(m, nn.LayerNorm)]
@@ -643,7 +642,7 @@ def main(args: Args):
     storage["values"] = torch.empty(steps_envs, device=device)
     final_values = torch.zeros(steps_envs, device=device)
 
-    policy = make_policy(q_network, n_act)
+    policy = make_policy(q_network)
     returns_fn = make_returns(args.gamma, args.q_lambda)
     update = make_update(q_network, optimizer, args.max_grad_norm)
     # What --compile compiles (2-core CPU, torch 2.13, one thread, CartPole, best of 7 runs):

@@ -74,12 +74,16 @@ def test_merge_makes_one_table_from_parts_and_refuses_a_run_twice(learning, tmp_
     assert learning.main(["--merge", *parts, "--out", str(out)]) == 0
     table = (out / "table.md").read_text()
     assert "20.0 ± 10.0 (n=3)" in table and "21.0 ± 10.0 (n=3)" in table and "seeds [1, 2, 3]" in table
+    assert "(profile `quick`" in table  # 1,000 steps is nearer TD3's quick budget than its full one
     assert len((out / "results.jsonl").read_text().splitlines()) == 6
     assert (out / "learning.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     capsys.readouterr()
-    for folders in ([parts[0], parts[0]], [str(tmp_path / "nothing")]):
+    longer = tmp_path / "longer"
+    longer.mkdir()
+    (longer / "results.jsonl").write_text(json.dumps({**rows[0], "seed": 9, "total_steps": 2000}) + "\n")
+    for argv in ([parts[0], parts[0]], [str(tmp_path / "nothing")], [parts[0], str(longer)], [parts[0], "--quick"]):
         with pytest.raises(SystemExit) as stop:
-            learning.main(["--merge", *folders, "--out", str(tmp_path / "again")])
+            learning.main(["--merge", *argv, "--out", str(tmp_path / "again")])
         assert stop.value.code == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1

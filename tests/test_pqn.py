@@ -138,7 +138,7 @@ def test_lean_draws_explore_below_epsilon_and_act_at_random(lean):
     assert 400 < explore[4].sum() < 600  # 1000 draws at 0.5: the standard deviation is 16
     assert set(random_actions.unique().tolist()) == {0, 1}
     q_network = lean.QNetwork(4, 2)
-    policy = lean.make_policy(q_network, 2)
+    policy = lean.make_policy(q_network)
     obs = torch.randn(1000, 4)
     with torch.no_grad():
         greedy = q_network(obs).argmax(dim=1)
