@@ -9,7 +9,7 @@ graph, acting skips torch.distributions and autograd, and nothing syncs the host
 device between two log points but the `--target-kl` check. Observation and reward normalization,
 their clips and the action clip, which the plain script runs as gymnasium wrappers in Python per
 sub-env (three quarters of a MuJoCo step's time), are done once per vector step on the whole batch
-in torch on the training device, with the same per-env statistics (`Normalization`).
+in numpy on the host, with the same per-env statistics (`Normalization`).
 
     python leanrl/ppo_continuous_action_torchcompile.py
     python leanrl/ppo_continuous_action_torchcompile.py --compile
@@ -209,8 +209,7 @@ class Normalization:
     def __init__(self, num_envs, n_obs, action_space, gamma, device, clip=10.0, epsilon=1e-8):
         self.mean, self.var, self.count = np.zeros((num_envs, n_obs)), np.ones((num_envs, n_obs)), np.full((num_envs, 1), 1e-4)
         self.ret, self.ret_mean, self.ret_var, self.ret_count = (np.full(num_envs, v) for v in (0.0, 0.0, 1.0, 1e-4))
-        self.low = torch.as_tensor(action_space.low, device=device)
-        self.high = torch.as_tensor(action_space.high, device=device)
+        self.low, self.high = action_space.low, action_space.high
         self.gamma, self.clip, self.epsilon, self.device, self.training = gamma, clip, epsilon, device, True
 
     def obs(self, x):
@@ -237,7 +236,8 @@ class Normalization:
         return np.clip(reward / np.sqrt(self.ret_var + self.epsilon), -self.clip, self.clip)
 
     def action(self, action):
-        return torch.clamp(action, self.low, self.high)
+        """Actions (num_envs, n_act) on the host -> clipped to the action space, for the env."""
+        return np.minimum(np.maximum(action, self.low), self.high)
 
     def state_dict(self):
         return {"mean": torch.from_numpy(self.mean), "var": torch.from_numpy(self.var), "count": torch.from_numpy(self.count).view(-1)}
@@ -327,8 +327,33 @@ class Adam:
         )
 
 
-def make_policy(agent):
-    """Acting: one forward of actor and critic, without autograd."""
+def make_policy(agent, host, seed=0):
+    """Acting: one forward of actor and critic, without autograd; the action's noise is drawn here.
+    `host` (a CPU): in numpy, on views of the agent's parameters (`Tensor.numpy()` shares their
+    memory, so every Adam step is seen at once), with noise from a numpy generator seeded with
+    `seed`: for one observation a numpy op costs under a microsecond and a torch op several, and a
+    compiled call's wrappers more than its kernels. Else in torch, which CUDA compiles and graphs."""
+    if host:
+        def arrays(net):
+            return [(m.weight.detach().numpy().T, m.bias.detach().numpy()) for m in net if isinstance(m, nn.Linear)]
+
+        actor, critic, logstd = arrays(agent.actor_mean), arrays(agent.critic), agent.actor_logstd.detach().numpy()
+        rng = np.random.default_rng(seed)
+
+        def mlp(x, layers):
+            for weight_t, bias in layers[:-1]:
+                x = np.tanh(x @ weight_t + bias)
+            return x @ layers[-1][0] + layers[-1][1]
+
+        def host_policy(obs):
+            x = obs.numpy()
+            action_mean = mlp(x, actor)
+            noise = rng.standard_normal(action_mean.shape, dtype=np.float32)
+            logprob = (-0.5 * np.square(noise) - logstd - LOG_SQRT_2PI).sum(1)
+            action = action_mean + np.exp(logstd) * noise
+            return torch.from_numpy(action), torch.from_numpy(logprob), torch.from_numpy(mlp(x, critic)[:, 0])
+
+        return host_policy
 
     def policy(obs):
         action_mean, logstd, value = agent(obs)
@@ -558,7 +583,7 @@ def evaluate(agent, normalization, args, run_name, device):
     with torch.no_grad():
         while len(returns) < args.eval_episodes:
             action = agent.actor_mean(frozen.obs(obs.reshape(1, -1)))
-            obs, _, _, _, infos = eval_envs.step(frozen.action(action).cpu().numpy())
+            obs, _, _, _, infos = eval_envs.step(frozen.action(action.cpu().numpy()))
             if "final_info" in infos:
                 final = infos["final_info"]
                 returns.extend(final["episode"]["r"][final["_episode"]].tolist())
@@ -932,9 +957,11 @@ def main(args: Args):
     named = agent.named_parameters() if num_seeds == 1 else params.items()
     optimizer = Adam(named, lr, eps=1e-5, fused=not args.compile, capturable=device.type == "cuda")
 
+    # Acting in numpy on a CPU, for one agent (stacked seeds act through vmap).
+    host = device.type == "cpu" and num_seeds == 1
     if num_seeds == 1:
         params.to_module(agent_inference)
-        policy = make_policy(agent_inference)
+        policy = make_policy(agent_inference, host=host, seed=args.seed + rank)
     else:
         policy = make_seeds_policy(agent_inference, dict(params.items()), num_seeds)
     gae = make_gae(args.gamma, args.gae_lambda)
@@ -943,16 +970,14 @@ def main(args: Args):
     # - update: 2.0 ms eager, 0.32 ms compiled (one graph); inductor's C++ wrapper measured
     #   0.26-0.27 ms alone but no faster in whole runs, and adds 7 s to a cold compile. Compiled
     #   on every device;
-    # - policy: 76 us eager, 64 us compiled, 46 us compiled with inductor's C++ wrapper (which
-    #   drops the Python glue between kernels) for one observation on a CPU: compiled so there,
-    #   but for a single process only: under torchrun on a CPU the 2-rank learning test failed
-    #   with it (return 46 against 900 eager, seed 1; the cause is not found yet);
+    # - policy: numpy on a CPU for one agent (make_policy); compiled elsewhere, with inductor's C++
+    #   wrapper on a CPU (stacked seeds);
     # - gae: a sequential loop of num_steps steps (28 ms per 2048 here); compiling it would unroll
     #   all of them into one graph, so it stays eager;
     # - Normalization is numpy on the host (see the class).
     if args.compile:
         update = torch.compile(update, fullgraph=True)
-        if device.type == "cuda" or world_size == 1:
+        if not host:
             policy = torch.compile(policy, options={"cpp_wrapper": True} if device.type == "cpu" else None)
     if cudagraphs:
         update = CudaGraphModule(update)
@@ -992,14 +1017,14 @@ def main(args: Args):
                     logprob_list.append(logprob)
                     value_list.append(value)
                     # note: a CPU-GPU sync point on CUDA; a no-copy view on a CPU
-                    next_obs_np, reward, terminations, truncations, infos = envs.step(normalization.action(action).cpu().numpy())
+                    next_obs_np, reward, terminations, truncations, infos = envs.step(normalization.action(action.cpu().numpy()))
                     done_np = np.logical_or(terminations, truncations)
                     if done_np.any():
                         rows = np.flatnonzero(done_np)
                         normalization.final_obs(np.stack([infos["final_obs"][i] for i in rows]).reshape(len(rows), n_obs), rows)
                     reward_list.append(normalization.reward(reward, terminations))
                     next_obs = normalization.obs(next_obs_np.reshape(num_envs, n_obs))
-                    next_done = torch.as_tensor(done_np, device=device, dtype=torch.float)
+                    next_done = torch.as_tensor(done_np.astype(np.float32), device=device)
                     if world_size > 1:
                         finished += run.finished(global_step, infos)
                     elif num_seeds == 1:

@@ -182,7 +182,7 @@ def test_normalization_is_the_plain_wrappers(plain, lean, num_envs):
     for step in range(400):
         action = 2.0 * torch.randn(num_envs, 2, generator=g)
         expected, expected_reward, terminations, truncations, _ = plain_envs.step(action.numpy())
-        raw, reward, lean_terminations, lean_truncations, infos = lean_envs.step(norm.action(action).numpy())
+        raw, reward, lean_terminations, lean_truncations, infos = lean_envs.step(norm.action(action.numpy()))
         assert (terminations == lean_terminations).all() and (truncations == lean_truncations).all()
         done = np.logical_or(terminations, truncations)
         if done.any():
@@ -227,6 +227,31 @@ def test_normalization_loads_fewer_envs_and_freezes(lean):
     expected = ((x - state["mean"][[0, 1, 1, 1]]) / (state["var"][[0, 1, 1, 1]] + 1e-8).sqrt()).clamp(-10, 10).float()
     torch.testing.assert_close(target.obs(x), expected, rtol=0, atol=0)
     torch.testing.assert_close(target.state_dict()["count"], state["count"][[0, 1, 1, 1]], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("host", [True, False], ids=["numpy", "torch"])
+def test_policy_acts_from_the_agent_and_sees_every_update(lean, host):
+    """Both acting paths (numpy on a CPU, torch elsewhere) give the critic's values and a
+    Gaussian action around the actor's mean with its log-probability, from the agent's current
+    weights: an in-place change of every parameter (as Adam makes) is seen by the next call."""
+    torch.manual_seed(0)
+    agent = lean.Agent(5, 3)
+    agent.actor_logstd.data.fill_(-0.5)
+    policy = lean.make_policy(agent, host, seed=1)
+    obs = torch.randn(4096, 5)
+    for _ in range(2):
+        action, logprob, value = policy(obs)
+        with torch.no_grad():
+            mean, logstd, expected_value = agent(obs)
+            expected_logprob = torch.distributions.Normal(mean, logstd.exp()).log_prob(action).sum(1)
+        torch.testing.assert_close(value, expected_value, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logprob, expected_logprob, rtol=1e-4, atol=1e-4)
+        noise = (action - mean) / logstd.exp()  # 12,288 draws: the sample mean's sd is 0.009
+        assert abs(noise.mean().item()) < 0.05 and abs(noise.std().item() - 1) < 0.05
+        with torch.no_grad():
+            for p in agent.parameters():
+                p.mul_(1.5).add_(0.1)
+    assert action.shape == (4096, 3) and logprob.shape == value.shape == (4096,)
 
 
 def test_gae_matches_reference_loop(lean):
@@ -275,8 +300,8 @@ def test_target_kl_stops_after_the_epoch_whose_last_minibatch_exceeds_it(path, p
     else:
         make_policy, make_update = lean.make_policy, lean.make_update
 
-        def counting_policy(agent):
-            policy = make_policy(agent)
+        def counting_policy(*args, **kwargs):
+            policy = make_policy(*args, **kwargs)
 
             def wrapped(obs):
                 calls[0] = 0
