@@ -40,13 +40,14 @@ SEEDS = dict(full=[1, 2, 3, 4, 5], quick=[1, 2, 3])
 SIDES = {"plain": ("{}.py", []), "lean": ("{}_torchcompile.py", ["--compile"])}
 
 
-def plan(pairs, seeds, profile, steps=None):
+def plan(pairs, seeds, profile, steps=None, sides=tuple(SIDES)):
     """(pair, side, seed, script, argv), seeds outer, so that a stopped profile has every pair."""
     runs = []
     for seed in seeds:
         for pair in pairs:
             args, budget = PAIRS[pair][profile]
-            for side, (name, flags) in SIDES.items():
+            for side in sides:
+                name, flags = SIDES[side]
                 argv = ["--total-timesteps", str(steps or budget), *args, "--seed", str(seed), *flags]
                 runs.append((pair, side, seed, bench.SCRIPTS / name.format(pair), argv))
     return runs
@@ -77,25 +78,24 @@ def parser_error(message):
 
 
 def merge(folders):
-    """The runs of several earlier profiles as one list; a run found twice (same pair, side and
-    seed), a pair run on two tasks or budgets, or a folder without results.jsonl ends with one line."""
-    results, seen, task = [], {}, {}
+    """The runs of several earlier profiles as one list, and how many were replaced: a run found
+    in several folders (same pair, side and seed) is taken from the last one, so that runs redone
+    after a change replace the old ones. A pair run on two tasks or budgets, or a folder without
+    results.jsonl, ends with one line."""
+    runs, task, read = {}, {}, 0
     for folder in folders:
         path = folder / "results.jsonl"
         if not path.is_file():
             parser_error(f"{path} does not exist: pass folders that ./run.sh --learning --out wrote")
         for line in path.read_text().splitlines():
             r = json.loads(line)
-            key = (r["pair"], r["side"], r["seed"])
-            if key in seen:
-                parser_error(f"{' '.join(map(str, key))} is in both {seen[key]} and {folder}: merge each run once")
-            seen[key] = folder
             first = task.setdefault(r["pair"], (r["env_id"], r["total_steps"], folder))
             if first[:2] != (r["env_id"], r["total_steps"]):
                 parser_error(f"{r['pair']} ran {first[0]} for {first[1]:,} steps in {first[2]} and {r['env_id']} for "
                              f"{r['total_steps']:,} in {folder}: merge runs of one profile")
-            results.append(r)
-    return results
+            runs[(r["pair"], r["side"], r["seed"])] = r
+            read += 1
+    return list(runs.values()), read - len(runs)
 
 
 def profile_of(results):
@@ -178,25 +178,28 @@ def main(argv=None):
     parser.add_argument("--pairs", nargs="+", default=list(PAIRS), choices=list(PAIRS), metavar="PAIR", help=f"pairs to run (default: all): {', '.join(PAIRS)}")
     parser.add_argument("--seeds", nargs="+", type=int, default=None, help="seeds (default: 1-5, or 1-3 with --quick)")
     parser.add_argument("--steps", type=int, default=None, help="env steps of every run, instead of the profile's")
+    parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=list(SIDES), help="plain, lean or both (default)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each (default 2)")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: bench_results/learning-<profile>-<time>)")
     parser.add_argument("--timeout", type=int, default=6 * 3600, help="seconds before one run is abandoned")
     parser.add_argument("--merge", nargs="+", type=Path, default=None, metavar="DIR",
-                        help="run nothing: one table and plot from the results.jsonl of earlier --out folders (seeds run in parts)")
+                        help="run nothing: one table and plot from the results.jsonl of earlier --out folders (seeds run in parts); "
+                             "a run in several folders is taken from the last")
     args = parser.parse_args(argv)
-    if args.merge and (args.quick or args.seeds or args.steps or args.pairs != list(PAIRS)):
-        parser_error("--merge runs nothing: drop --quick, --pairs, --seeds and --steps (the parts' runs are all merged)")
+    if args.merge and (args.quick or args.seeds or args.steps or args.pairs != list(PAIRS) or args.sides != list(SIDES)):
+        parser_error("--merge runs nothing: drop --quick, --pairs, --seeds, --steps and --sides (the parts' runs are all merged)")
     profile = "quick" if args.quick else "full"
     seeds = args.seeds or SEEDS[profile]
     out = (args.out or bench.ROOT / "bench_results" / f"learning-{profile}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     if args.merge:
-        results = merge(args.merge)
+        results, replaced = merge(args.merge)
         seeds, wall = sorted({r["seed"] for r in results}), "merged: " + ", ".join(str(d) for d in args.merge)
+        wall += f"; runs redone in a later folder and taken from it: {replaced}" if replaced else ""
         profile = profile_of(results)
     else:
-        results = run_all(plan(args.pairs, seeds, profile, args.steps), out, args.jobs, args.timeout)
+        results = run_all(plan(args.pairs, seeds, profile, args.steps, args.sides), out, args.jobs, args.timeout)
         wall = bench.duration(time.perf_counter() - start)
     (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
     command = "./run.sh --learning " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -207,7 +210,7 @@ def main(argv=None):
         plot(results, out / "learning.png")
     print(table)
     print(f"results: {out / 'results.jsonl'}; table: {out / 'table.md'}; plot: {out / 'learning.png'}")
-    return 0 if args.merge or len(results) == 2 * len(seeds) * len(args.pairs) else 1
+    return 0 if args.merge or len(results) == len(args.sides) * len(seeds) * len(args.pairs) else 1
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ def test_plan_runs_plain_then_lean_compile_for_each_seed(learning):
     _, _, _, script, argv = runs[1]
     assert script.name == "dqn_torchcompile.py" and argv[-1] == "--compile"
     assert argv[:2] == ["--total-timesteps", "100000"] and "--seed" in argv
+    lean_only = learning.plan(["dqn"], [1, 2], "quick", sides=["lean"])
+    assert [(side, seed) for _, side, seed, _, _ in lean_only] == [("lean", 1), ("lean", 2)]
 
 
 def test_bootstrap_interval_holds_zero_only_when_it_should(learning):
@@ -58,9 +60,10 @@ def test_tiny_learning_profile_writes_table_and_plot(learning, tmp_path):
     assert (tmp_path / "learning.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_merge_makes_one_table_from_parts_and_refuses_a_run_twice(learning, tmp_path, capsys):
-    """Seeds run in parts (two --out folders) merge into one table and plot; the same run in two
-    folders, or a folder without results, is one line and exit status 2."""
+def test_merge_makes_one_table_from_parts_and_takes_a_redone_run_from_the_last(learning, tmp_path, capsys):
+    """Seeds run in parts (two --out folders) merge into one table and plot; a run redone in a
+    later folder replaces the earlier one, counted once; a pair at two budgets, a folder without
+    results or a run option beside --merge is one line and exit status 2."""
     parts = []
     for part, seeds in enumerate(([1, 2], [3])):
         folder = tmp_path / f"part{part}"
@@ -77,11 +80,18 @@ def test_merge_makes_one_table_from_parts_and_refuses_a_run_twice(learning, tmp_
     assert "(profile `quick`" in table  # 1,000 steps is nearer TD3's quick budget than its full one
     assert len((out / "results.jsonl").read_text().splitlines()) == 6
     assert (out / "learning.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    redone = tmp_path / "redone"
+    redone.mkdir()
+    (redone / "results.jsonl").write_text(json.dumps({**rows[1], "seed": 1, "episodic_return": 41.0}) + "\n")  # lean seed 1: 11 -> 41
+    assert learning.main(["--merge", *parts, str(redone), "--out", str(out)]) == 0
+    table = (out / "table.md").read_text()
+    assert "31.0 ± 10.0 (n=3)" in table and "taken from it: 1" in table
+    assert len((out / "results.jsonl").read_text().splitlines()) == 6
     capsys.readouterr()
     longer = tmp_path / "longer"
     longer.mkdir()
     (longer / "results.jsonl").write_text(json.dumps({**rows[0], "seed": 9, "total_steps": 2000}) + "\n")
-    for argv in ([parts[0], parts[0]], [str(tmp_path / "nothing")], [parts[0], str(longer)], [parts[0], "--quick"]):
+    for argv in ([str(tmp_path / "nothing")], [parts[0], str(longer)], [parts[0], "--quick"], [parts[0], "--sides", "lean"]):
         with pytest.raises(SystemExit) as stop:
             learning.main(["--merge", *argv, "--out", str(tmp_path / "again")])
         assert stop.value.code == 2
