@@ -332,7 +332,10 @@ def make_policy(agent, host, seed=0):
     `host` (a CPU): in numpy, on views of the agent's parameters (`Tensor.numpy()` shares their
     memory, so every Adam step is seen at once), with noise from a numpy generator seeded with
     `seed`: for one observation a numpy op costs under a microsecond and a torch op several, and a
-    compiled call's wrappers more than its kernels. Else in torch, which CUDA compiles and graphs."""
+    compiled call's wrappers more than its kernels. In the loop, on a CPU (one thread, between
+    HalfCheetah steps): 96 us a step in numpy, 202 us compiled with inductor's C++ wrapper, 223 us
+    eager; whole compiled runs 1.04-1.56x faster (8 interleaved pairs). Else in torch, which CUDA
+    compiles and graphs."""
     if host:
         def arrays(net):
             return [(m.weight.detach().numpy().T, m.bias.detach().numpy()) for m in net if isinstance(m, nn.Linear)]
