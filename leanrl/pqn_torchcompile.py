@@ -237,8 +237,9 @@ def make_policy(q_network):
     the Q(lambda) returns bootstrap from); `explore` and `random_actions` are the step's row of
     `draw_exploration`. The layers are applied with F.linear and F.layer_norm on the Q-network's
     own parameters: for a few observations each nn.Module call costs more than its arithmetic (35
-    us a step so, 54 us through the module, on a CPU). Unlike lean DQN's, it stays in torch on a CPU: in numpy its LayerNorms'
-    row reductions cost as much as the torch ops (75 us a step in the loop either way)."""
+    us a step so, 54 us through the module, on a CPU). Unlike lean DQN's, it stays in torch on a
+    CPU: in numpy its LayerNorms' row reductions cost as much as the torch ops (75 us a step in
+    the loop either way)."""
     linears = [(m.weight, m.bias) for m in q_network.network if isinstance(m, nn.Linear)]
     norms = [(m.normalized_shape, m.weight, m.bias, m.eps) for m in q_network.network if isinstance(m, nn.LayerNorm)]
 
