@@ -98,6 +98,17 @@ def merge(folders):
     return list(runs.values()), read - len(runs)
 
 
+def machines_of(folders):
+    """Where the parts ran, from the first line of each part's table.md ("" if none says)."""
+    found = []
+    for folder in folders:
+        table = folder / "table.md"
+        head = table.read_text().split("\n", 1)[0] if table.is_file() else ""
+        if head.startswith("Machine: ") and "; torch" in head:
+            found += head[len("Machine: ") : head.index("; torch")].split(" and ")
+    return " and ".join(dict.fromkeys(found))
+
+
 def profile_of(results):
     """The profile whose budgets the merged runs used (per pair, the nearer one)."""
     found = {min(PAIRS[r["pair"]], key=lambda p: abs(PAIRS[r["pair"]][p][1] - r["total_steps"])) for r in results}
@@ -120,7 +131,7 @@ def finals(results, pair, side):
 
 def summarize(results, info):
     rows = [
-        f"Machine: {info['cpu']}, {info['cores']} cores; torch {info['torch']}. Command: `{info['command']}` "
+        f"Machine: {info['host']}; torch {info['torch']}. Command: `{info['command']}` "
         f"(profile `{info['profile']}`, seeds {info['seeds']}, {info['wall']}).",
         "",
         "| pair | env | steps | plain (mean ± sd) | lean --compile (mean ± sd) | lean - plain | 95% interval | same? |",
@@ -204,6 +215,7 @@ def main(argv=None):
     (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
     command = "./run.sh --learning " + " ".join(argv if argv is not None else sys.argv[1:])
     info = {**bench.machine(), "profile": profile, "seeds": seeds, "command": command.strip(), "wall": wall}
+    info["host"] = (args.merge and machines_of(args.merge)) or f"{info['cpu']}, {info['cores']} cores"
     table = summarize(results, info)
     (out / "table.md").write_text(table)
     if results:

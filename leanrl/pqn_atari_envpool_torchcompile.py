@@ -9,7 +9,7 @@ envpool (Weng et al., 2022) with its Atari preprocessing: 84x84 grey frames stac
 skip 4, up to 30 no-ops and FIRE at reset, episodic life and clipped rewards for learning; the
 reported returns are whole games, unclipped. It learns as the plain script
 `pqn_atari_envpool.py` does; what changes is where the time goes: the rollout is stored in
-tensors allocated once, the Q(lambda) returns are one short recursion on whole rows, the
+tensors allocated once, the Q(lambda) returns are one triangular solve, the
 minibatch step (gather, forward, backward, clipping, RAdam) is one function that compiles to one
 graph, and nothing syncs the host with the device between two log points.
 
@@ -315,14 +315,14 @@ def make_returns(gamma, q_lambda):
         next_q = torch.cat([values[1:], next_value.unsqueeze(0)])
         discount = gamma * (1.0 - terminations)
         lam = q_lambda * torch.cat([1.0 - dones[:-1], torch.zeros_like(dones[:1])])
-        # G[t] = base[t] + decay[t] G[t + 1]: the recursion itself is sequential, one op a step.
         base = rewards + discount * (1.0 - lam) * next_q
         decay = discount * lam
-        returns = torch.empty_like(rewards)
-        returns[-1] = base[-1]
-        for t in range(rewards.shape[0] - 2, -1, -1):
-            torch.addcmul(base[t], decay[t], returns[t + 1], out=returns[t])
-        return returns
+        # G[t] = base[t] + decay[t] G[t + 1] is (I - U) G = base per env, U upper bidiagonal with
+        # decay[t] at (t, t + 1): one batched triangular solve, whose back substitution is that
+        # recursion. CPU, 128 x 4: 58 us eager, against 474 us eager and 124 us compiled (13 s
+        # to compile) for the recursion as a loop. Memory: num_steps**2 * num_envs floats.
+        upper = torch.diag_embed(-decay.T[:, :-1], offset=1)  # the diagonal is taken as ones
+        return torch.linalg.solve_triangular(upper, base.T.unsqueeze(2), upper=True, unitriangular=True).squeeze(2).T.contiguous()
 
     return returns_fn
 
@@ -710,13 +710,12 @@ def main(args: Args):
     #   matmuls (11%) are the floor, which inductor does not lower, so it is compiled on CUDA
     #   only, where launches dominate;
     # - policy: 2.5 ms eager, 3.1 ms compiled for the 8 frame stacks of one step: CUDA only;
-    # - returns: about 0.6 ms eager, 0.1 ms compiled per rollout (the recursion unrolls into one
-    #   kernel), compiled on every device.
-    if args.compile:
-        returns_fn = torch.compile(returns_fn)
-        if device.type == "cuda":
-            update = torch.compile(update, fullgraph=True)
-            policy = torch.compile(policy)
+    # - returns: one triangular solve, about 0.1 ms eager: not compiled.
+    if args.compile and device.type == "cuda":
+        update = torch.compile(update, fullgraph=True)
+        policy = torch.compile(policy)
+    elif args.compile:
+        print("notice: on a CPU --compile leaves this script eager: oneDNN's convolutions are its floor either way", file=sys.stderr)
     if cudagraphs:
         update = CudaGraphModule(update)
         returns_fn = CudaGraphModule(returns_fn)

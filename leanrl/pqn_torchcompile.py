@@ -5,8 +5,8 @@ https://arxiv.org/abs/2407.04811) with the details and defaults of CleanRL's `pq
 with a LayerNorm MLP, vectorized envs, epsilon-greedy rollouts, Q(lambda) returns and a few epochs
 of minibatch updates per rollout, with no replay buffer and no target network. It learns as the
 plain script `pqn.py` does; what changes is where the time goes: acting applies the layers
-directly, the rollout is stored in tensors allocated once, the Q(lambda) returns are one short
-recursion on whole rows, the minibatch step (gather, forward, backward, clipping, RAdam) is one
+directly, the rollout is stored in tensors allocated once, the Q(lambda) returns are one
+triangular solve, the minibatch step (gather, forward, backward, clipping, RAdam) is one
 function that compiles to one graph, and nothing syncs the host with the device between two log
 points.
 
@@ -264,14 +264,14 @@ def make_returns(gamma, q_lambda):
         next_q = torch.where(dones.bool(), final_values, torch.cat([values[1:], next_value.unsqueeze(0)]))
         discount = gamma * (1.0 - terminations)
         lam = q_lambda * torch.cat([1.0 - dones[:-1], torch.zeros_like(dones[:1])])
-        # G[t] = base[t] + decay[t] G[t + 1]: the recursion itself is sequential, one op a step.
         base = rewards + discount * (1.0 - lam) * next_q
         decay = discount * lam
-        returns = torch.empty_like(rewards)
-        returns[-1] = base[-1]
-        for t in range(rewards.shape[0] - 2, -1, -1):
-            torch.addcmul(base[t], decay[t], returns[t + 1], out=returns[t])
-        return returns
+        # G[t] = base[t] + decay[t] G[t + 1] is (I - U) G = base per env, U upper bidiagonal with
+        # decay[t] at (t, t + 1): one batched triangular solve, whose back substitution is that
+        # recursion. CPU, 128 x 4: 58 us eager, against 474 us eager and 124 us compiled (13 s
+        # to compile) for the recursion as a loop. Memory: num_steps**2 * num_envs floats.
+        upper = torch.diag_embed(-decay.T[:, :-1], offset=1)  # the diagonal is taken as ones
+        return torch.linalg.solve_triangular(upper, base.T.unsqueeze(2), upper=True, unitriangular=True).squeeze(2).T.contiguous()
 
     return returns_fn
 
@@ -650,14 +650,11 @@ def main(args: Args):
     # - update: 1447 us eager, 331 us compiled per minibatch of 128 (one graph of C++ kernels
     #   around 6 matmuls; the eager RAdam alone is 353 us of Python over six tensors); inductor's
     #   C++ wrapper gave 325 us, within the noise, so it is left out;
-    # - returns: 638 us eager, 133 us compiled per rollout of 128 x 4 (the 127 steps of the
-    #   recursion unroll into one kernel; 4 s to compile);
     # - policy: 35 us eager (54 us through the module), 52 us compiled for 4 observations (the
     #   compiled call's wrappers cost more than fusing a dozen tiny ops saves), so it is compiled
     #   on CUDA only; 27.5 us eager once its draws moved to draw_exploration (27 us a rollout).
     if args.compile:
         update = torch.compile(update, fullgraph=True)
-        returns_fn = torch.compile(returns_fn)
         if device.type == "cuda":
             policy = torch.compile(policy)
     if cudagraphs:
