@@ -9,9 +9,9 @@ envpool (Weng et al., 2022) with its Atari preprocessing: 84x84 grey frames stac
 skip 4, up to 30 no-ops and FIRE at reset, episodic life and clipped rewards for learning; the
 reported returns are whole games, unclipped. It learns as the plain script
 `pqn_atari_envpool.py` does; what changes is where the time goes: the rollout is stored in
-tensors allocated once, the Q(lambda) returns are one triangular solve, the
-minibatch step (gather, forward, backward, clipping, RAdam) is one function that compiles to one
-graph, and nothing syncs the host with the device between two log points.
+tensors allocated once, the Q(lambda) returns are one triangular solve, the minibatch step
+(gather, forward, backward, clipping, RAdam) is one function that compiles to one graph, and
+nothing syncs the host with the device between two log points.
 
     python leanrl/pqn_atari_envpool_torchcompile.py
     python leanrl/pqn_atari_envpool_torchcompile.py --compile
@@ -710,7 +710,7 @@ def main(args: Args):
     #   matmuls (11%) are the floor, which inductor does not lower, so it is compiled on CUDA
     #   only, where launches dominate;
     # - policy: 2.5 ms eager, 3.1 ms compiled for the 8 frame stacks of one step: CUDA only;
-    # - returns: one triangular solve, about 0.1 ms eager: not compiled.
+    # - returns: one triangular solve, 65 us eager per rollout of 128 x 8: not compiled.
     if args.compile and device.type == "cuda":
         update = torch.compile(update, fullgraph=True)
         policy = torch.compile(policy)

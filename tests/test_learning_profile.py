@@ -72,7 +72,7 @@ def test_merge_makes_one_table_from_parts_and_takes_a_redone_run_from_the_last(l
                  "episodic_return": 10.0 * s + (1 if side == "lean" else 0), "curve": [[500, 1.0, 0.0], [1000, 2.0, 10.0 * s]]}
                 for s in seeds for side in ("plain", "lean")]
         (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        (folder / "table.md").write_text(f"Machine: CPU {part % 2}, 2 cores; torch 2.13.0. Command: ...\n")
+        (folder / "table.md").write_text(f"Machine: CPU {part}, 2 cores; torch 2.13.0. Command: ...\n")
         parts.append(str(folder))
     out = tmp_path / "merged"
     assert learning.main(["--merge", *parts, parts[0], "--out", str(out)]) == 0
