@@ -95,6 +95,17 @@ def make_batch(n, n_act=4, seed=0):
     )
 
 
+def test_lean_network_is_the_plain_network(plain, lean):
+    """The lean QNetwork runs channels-last, its LayerNorms over (H, W, C) rows: the same function
+    of the same parameters (names included, so checkpoints move between the twins), to rounding."""
+    torch.manual_seed(0)
+    q_network, reference = lean.QNetwork(6), plain.QNetwork(6)
+    assert q_network.state_dict().keys() == reference.state_dict().keys()
+    reference.load_state_dict(q_network.state_dict())
+    frames = torch.randint(0, 256, (5, 4, 84, 84), dtype=torch.uint8)
+    torch.testing.assert_close(q_network(frames), reference(frames), rtol=1e-5, atol=1e-5)
+
+
 def test_lean_update_is_the_plain_update(plain, lean):
     """From the same parameters and minibatches: the lean step (torch.func, clipping on the
     gradients, functional RAdam with a 0-d learning rate annealed in place) and the plain
