@@ -112,3 +112,49 @@ def test_lean_scripts_choose_their_cpu_threads(flags, threads, tmp_path, monkeyp
             assert code in (0, None) and torch.get_num_threads() == threads, (script.name, code)
     finally:
         torch.set_num_threads(before)
+
+
+SAME_STEP = [s for s in ALL if "class SameStepEnvs" in s.read_text()]
+
+
+@pytest.mark.parametrize("script", SAME_STEP, ids=lambda s: s.stem)
+def test_same_step_envs_step_as_gymnasium_does(script):
+    """The lean scripts' shorter vector-env step: over episodes that end in terminations and in
+    truncations (at 12 steps here), the same arrays as gymnasium's SyncVectorEnv under SAME_STEP
+    autoreset, and the same final observations and episode statistics."""
+    import gymnasium as gym
+    import numpy as np
+
+    assert len(SAME_STEP) >= 3, SAME_STEP
+    module = load_script(script)
+    env_id = "InvertedPendulum-v5" if "continuous" in script.stem else "CartPole-v1"
+
+    def thunk():
+        return gym.wrappers.RecordEpisodeStatistics(gym.make(env_id, max_episode_steps=12))
+
+    ours = module.SameStepEnvs([thunk] * 3)
+    theirs = gym.vector.SyncVectorEnv([thunk] * 3, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    for a, b in zip(ours.reset(seed=5)[0], theirs.reset(seed=5)[0]):
+        assert np.array_equal(a, b)
+    theirs.action_space.seed(5)
+    ends = truncations = 0
+    for t in range(600):
+        actions = theirs.action_space.sample()
+        mine, gyms = ours.step(actions), theirs.step(actions)
+        for x, y in zip(mine[:4], gyms[:4]):
+            assert x.dtype == y.dtype and np.array_equal(x, y), t
+        assert ("final_obs" in mine[4]) == ("final_obs" in gyms[4]), t
+        if "final_obs" in gyms[4]:
+            done = gyms[4]["_final_obs"]
+            assert np.array_equal(mine[4]["_final_obs"], done)
+            for i in np.flatnonzero(done):
+                assert np.array_equal(mine[4]["final_obs"][i], gyms[4]["final_obs"][i])
+            stats, expected = mine[4]["final_info"], gyms[4]["final_info"]
+            assert np.array_equal(stats["_episode"], expected["_episode"])
+            for key in ("r", "l"):
+                assert np.array_equal(stats["episode"][key][done], expected["episode"][key][done])
+            ends += done.sum()
+            truncations += gyms[3].sum()
+    assert ends - truncations >= 10 and truncations >= 10, (ends, truncations)
+    ours.close()
+    theirs.close()

@@ -130,10 +130,8 @@ def test_stacked_policy_acts_as_each_seeds_network(lean):
 def test_each_seed_stores_its_own_sub_envs(lean, tmp_path, monkeypatch):
     """With 2 seeds of 2 envs, buffer row i, column k holds the step of sub-env k * 2 + i: its
     action, reward and next observation (where no episode ended there)."""
-    import gymnasium as gym
-
     steps, adds = [], []
-    step, add = gym.vector.SyncVectorEnv.step, lean.ReplayBuffer.add
+    step, add = lean.SameStepEnvs.step, lean.ReplayBuffer.add
 
     def recording_step(self, actions):
         out = step(self, actions)
@@ -144,7 +142,7 @@ def test_each_seed_stores_its_own_sub_envs(lean, tmp_path, monkeypatch):
         adds.append({key: np.array(value) for key, value in rows.items()})
         return add(self, **rows)
 
-    monkeypatch.setattr(gym.vector.SyncVectorEnv, "step", recording_step)
+    monkeypatch.setattr(lean.SameStepEnvs, "step", recording_step)
     monkeypatch.setattr(lean.ReplayBuffer, "add", recording_add)
     assert main_in_process(lean, "--num-seeds", 2, "--num-envs", 2, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
     assert len(steps) == len(adds) == 200
