@@ -212,9 +212,9 @@ def rms_update(mean, var, count, x):
     count[...] = total
 
 
-def clip(x, bound):
-    """np.clip(x, -bound, bound) in half the time (0.9 against 1.8 us for one observation)."""
-    return np.minimum(np.maximum(x, -bound), bound)
+def clip(x, low, high):
+    """np.clip(x, low, high) in half the time (0.9 against 1.8 us for one observation)."""
+    return np.minimum(np.maximum(x, low), high)
 
 
 class Normalization:
@@ -244,7 +244,7 @@ class Normalization:
         x = np.asarray(x, dtype=np.float64)
         if self.training:
             rms_update(self.mean, self.var, self.count, x)
-        normalized = clip((x - self.mean) / np.sqrt(self.var + self.epsilon), self.clip)
+        normalized = clip((x - self.mean) / np.sqrt(self.var + self.epsilon), -self.clip, self.clip)
         return torch.as_tensor(normalized.astype(np.float32), device=self.device)
 
     def final_obs(self, x, rows):
@@ -260,11 +260,11 @@ class Normalization:
         """Rewards and terminations (num_envs,) -> scaled and clipped rewards (float64, host)."""
         self.ret = self.ret * self.gamma * (1.0 - terminated) + reward
         rms_update(self.ret_mean, self.ret_var, self.ret_count, self.ret)
-        return clip(reward / np.sqrt(self.ret_var + self.epsilon), self.clip)
+        return clip(reward / np.sqrt(self.ret_var + self.epsilon), -self.clip, self.clip)
 
     def action(self, action):
         """Actions (num_envs, n_act) on the host -> clipped to the action space, for the env."""
-        return np.minimum(np.maximum(action, self.low), self.high)
+        return clip(action, self.low, self.high)
 
     def state_dict(self):
         return {"mean": torch.from_numpy(self.mean), "var": torch.from_numpy(self.var), "count": torch.from_numpy(self.count).view(-1)}
