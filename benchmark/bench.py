@@ -21,6 +21,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ceilings import arithmetic_ceiling, env_ceiling  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "leanrl"
 # One intra-op thread for every run: the networks here are too small for a second thread to
@@ -155,97 +158,6 @@ def run_one(script, argv, log, timeout, timed=True, cache=None):
     return {**summary, "curve": read_curve(summary, log.parent)}
 
 
-def rate(work, seconds):
-    """Calls of `work` per second over `seconds`, after one call to warm up."""
-    work()
-    calls, start = 0, time.monotonic()
-    while time.monotonic() - start < seconds:
-        work()
-        calls += 1
-    return calls / (time.monotonic() - start)
-
-
-def env_ceiling(env_id, num_envs, envpool_env=False, seconds=5.0):
-    """Steps per second of the env alone (random actions, no learning, same vector API and number
-    of envs): no script on this env can beat it."""
-    import numpy as np
-    if envpool_env:
-        import envpool
-        envs = envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, episodic_life=True, reward_clip=True, seed=1)
-        envs.reset()
-        step = lambda: envs.step(np.random.randint(0, envs.action_space.n, num_envs))  # noqa: E731
-    else:
-        import gymnasium as gym
-        envs = gym.vector.SyncVectorEnv([lambda: gym.wrappers.RecordEpisodeStatistics(gym.make(env_id)) for _ in range(num_envs)], autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
-        envs.action_space.seed(1)
-        envs.reset(seed=1)
-        step = lambda: envs.step(envs.action_space.sample())  # noqa: E731
-    sps = 100 * num_envs * rate(lambda: [step() for _ in range(100)], seconds)
-    envs.close()
-    return {"sps": sps}
-
-
-# The dense ops, whose cost no script can avoid: matmuls, convolutions and their gradients.
-RECORD_DENSE_OPS = r"""
-import contextlib, io, json, runpy, sys, torch
-from torch.utils._python_dispatch import TorchDispatchMode
-out, script, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
-aten = torch.ops.aten
-DENSE = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.convolution.default, aten.convolution_backward.default}
-def spec(a):  # a tensor as its shape and whether its last two dims are transposed; the rest as is
-    return {"shape": list(a.shape), "t": a.dim() in (2, 3) and a.stride(-1) != 1} if isinstance(a, torch.Tensor) else a
-seen = []
-class Record(TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in DENSE:
-            seen.append([str(func), [spec(a) for a in args]])
-        return func(*args, **(kwargs or {}))
-sys.argv = [script, *argv]
-with Record(), contextlib.redirect_stdout(io.StringIO()):
-    runpy.run_path(script, run_name="__main__")
-json.dump(seen, open(out, "w"))
-"""
-
-
-def flop(name, args, result):
-    """Multiply-adds x 2 of one recorded dense op."""
-    if "conv" not in name:
-        a, b = args[-2:]  # (bias,) a, b: a (batch,) M x K, b (batch,) K x N
-        return 2 * a.numel() * b.shape[-1]
-    if name.endswith("convolution.default"):
-        return 2 * result.numel() * args[1][0].numel()
-    grad_out, weight, mask = args[0], args[2], args[-1]  # convolution_backward: one per gradient asked for
-    return 2 * grad_out.numel() * weight[0].numel() * sum(mask[:2])
-
-
-def arithmetic_ceiling(family, work_dir, seconds=3.0):
-    """Steps per second if a training step cost only its dense ops (matmuls, convolutions and
-    their gradients, acting included). A short eager run of the plain script records each one's
-    shapes and layout; they are replayed in a tight loop with one thread, and one pass serves the
-    env steps the recorded run trained on."""
-    import torch
-    cfg = config(family)
-    out = (Path(work_dir) / f"dense_ops_{family}.json").resolve()
-    argv = cfg["arith"]["args"] + (["--env-id", cfg["env_id"]] if cfg["env_id"] else [])
-    subprocess.run([sys.executable, "-c", RECORD_DENSE_OPS, str(out), str(SCRIPTS / f"{family}.py"), *argv], check=True, cwd=work_dir, capture_output=True, env={**os.environ, **ONE_THREAD, "WANDB_MODE": "disabled"})
-    torch.set_num_threads(1)
-
-    def tensor(a):
-        s = a["shape"]
-        return torch.randn(*s[:-2], s[-1], s[-2]).transpose(-1, -2) if a["t"] else torch.randn(*s)
-
-    ops = []
-    for name, specs in json.loads(out.read_text()):
-        fn = torch.ops.aten
-        for part in name.split(".")[1:]:
-            fn = getattr(fn, part)
-        ops.append((name, fn, [tensor(a) if isinstance(a, dict) else a for a in specs]))
-    flops = sum(flop(name, args, fn(*args)) for name, fn, args in ops)
-    passes = rate(lambda: [fn(*args) for _, fn, args in ops], seconds)
-    steps = cfg["arith"]["steps"]
-    return {"sps": steps * passes, "gflop_per_step": flops / steps / 1e9, "gflops": flops * passes / 1e9}
-
-
 def ceilings_of(fams, work_dir):
     """The env ceiling of every family with an env in FAMILIES, and the arithmetic ceiling of the
     families with an `arith` run. Families on the same env and number of envs share one measurement."""
@@ -260,8 +172,9 @@ def ceilings_of(fams, work_dir):
             env_measured[key] = env_ceiling(*key, envpool_env=cfg["envpool"])
         ceilings[fam] = {"env": env_measured[key]}
         if cfg["arith"]:
+            argv = cfg["arith"]["args"] + (["--env-id", cfg["env_id"]] if cfg["env_id"] else [])
             try:
-                ceilings[fam]["arith"] = arithmetic_ceiling(fam, work_dir)
+                ceilings[fam]["arith"] = arithmetic_ceiling(SCRIPTS / f"{fam}.py", argv, cfg["arith"]["steps"], work_dir)
             except subprocess.CalledProcessError as e:
                 print(f"  arithmetic ceiling failed: {(e.stderr or '').strip().splitlines()[-1:]}", flush=True)
     return ceilings

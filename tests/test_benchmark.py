@@ -14,6 +14,10 @@ def load_bench():
     return load_script(ROOT / "benchmark" / "bench.py")
 
 
+def load_ceilings():
+    return load_script(ROOT / "benchmark" / "ceilings.py")
+
+
 def test_tiny_profile_writes_table_and_plot(tmp_path):
     bench = load_bench()
     status = bench.main(["--profile", "tiny", "--scripts", "ppo_continuous_action", "--out", str(tmp_path)])
@@ -124,13 +128,13 @@ def test_families_are_globbed_and_a_family_without_a_budget_uses_the_default(tmp
 
 
 def test_env_ceiling_steps_the_env():
-    bench = load_bench()
-    assert bench.env_ceiling("CartPole-v1", 2, seconds=0.3)["sps"] > 0
+    assert load_ceilings().env_ceiling("CartPole-v1", 2, seconds=0.3)["sps"] > 0
 
 
 def test_arithmetic_ceiling_replays_recorded_matmuls(tmp_path):
-    bench = load_bench()
-    ceiling = bench.arithmetic_ceiling("dqn", tmp_path, seconds=0.3)
+    bench, ceilings = load_bench(), load_ceilings()
+    cfg = bench.config("dqn")
+    ceiling = ceilings.arithmetic_ceiling(bench.SCRIPTS / "dqn.py", cfg["arith"]["args"], cfg["arith"]["steps"], tmp_path, seconds=0.3)
     assert ceiling["sps"] > 0 and math.isfinite(ceiling["gflops"])
     # DQN on CartPole (4 -> 120 -> 84 -> 2), an update of 128 rows every 10 steps: Q and target
     # forwards 2.75 MFLOP each, the Q backward 5.37 (weight gradients of 3 layers, input
@@ -140,14 +144,14 @@ def test_arithmetic_ceiling_replays_recorded_matmuls(tmp_path):
 
 def test_flop_counts_of_a_convolution_and_its_gradients():
     import torch
-    bench = load_bench()
+    ceilings = load_ceilings()
     x, w = torch.randn(2, 4, 8, 8), torch.randn(16, 4, 3, 3)
     out = torch.ops.aten.convolution.default(x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1)
-    assert bench.flop("aten.convolution.default", [x, w], out) == 2 * (2 * 16 * 6 * 6) * (4 * 3 * 3)
+    assert ceilings.flop("aten.convolution.default", [x, w], out) == 2 * (2 * 16 * 6 * 6) * (4 * 3 * 3)
     args = [out, x, w, [16], [1, 1], [0, 0], [1, 1], False, [0, 0], 1, [True, True, False]]
-    assert bench.flop("aten.convolution_backward.default", args, None) == 2 * 2 * out.numel() * (4 * 3 * 3)
+    assert ceilings.flop("aten.convolution_backward.default", args, None) == 2 * 2 * out.numel() * (4 * 3 * 3)
     a, b = torch.randn(3, 5), torch.randn(5, 7)
-    assert bench.flop("aten.addmm.default", [torch.randn(7), a, b], None) == 2 * 3 * 5 * 7
+    assert ceilings.flop("aten.addmm.default", [torch.randn(7), a, b], None) == 2 * 3 * 5 * 7
 
 
 def test_ceilings_appear_in_the_table_as_fractions_of_the_median():
