@@ -486,6 +486,7 @@ def error_line(e):
         line = line[line.index("] ") + 2:]
     return f"{type(e).__name__}: {line[:160]}"
 
+
 def broadcast_parameters(params):
     """Rank 0's parameters to every rank, as one flat buffer: the same initial weights whatever
     each rank seeded or loaded."""
@@ -545,6 +546,8 @@ def explained_variance(y_pred, y_true, valid):
 
     var_y = var(y_true)
     return torch.where(var_y == 0, torch.nan, 1 - var(y_true - y_pred) / var_y)
+
+
 def evaluate(agent, args, run_name, device):
     """Mean whole-game return of the deterministic policy (the most likely action) over
     `eval_episodes` games. Episodic life stays on, so that envpool presses FIRE after each lost
@@ -560,6 +563,7 @@ def evaluate(agent, args, run_name, device):
             returns.extend(infos["episode"]["r"][infos["_episode"]].tolist())
     eval_envs.close()
     return float(np.mean(returns[: args.eval_episodes]))
+
 
 # ---------------------------------------------------------------- RUN
 # The same block in every LeanRL script: argument rules, the run's folder and metrics, signals,

@@ -553,6 +553,7 @@ def error_line(e):
         line = line[line.index("] ") + 2:]
     return f"{type(e).__name__}: {line[:160]}"
 
+
 def broadcast_parameters(params):
     """Rank 0's parameters to every rank, as one flat buffer: the same initial weights whatever
     each rank seeded or loaded."""
@@ -619,6 +620,7 @@ def evaluate(agent, normalization, args, run_name, device):
                 returns.extend(final["episode"]["r"][final["_episode"]].tolist())
     eval_envs.close()
     return float(np.mean(returns[: args.eval_episodes]))
+
 
 # ---------------------------------------------------------------- RUN
 # The same block in every LeanRL script: argument rules, the run's folder and metrics, signals,

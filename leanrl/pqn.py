@@ -193,6 +193,7 @@ def evaluate(q_network, args, run_name, device):
     eval_envs.close()
     return float(np.mean(returns[: args.eval_episodes]))
 
+
 # ---------------------------------------------------------------- RUN
 # The same block in every LeanRL script: argument rules, the run's folder and metrics, signals,
 # checkpoints and the summary line. Nothing in it is specific to one algorithm.
