@@ -1,5 +1,6 @@
 """Shared helpers for the script tests: run a script as a subprocess, read its summary line,
-import a script as a module (for the numerics tests), list scripts by glob."""
+import a script as a module (for the numerics tests), list scripts by glob, and run a plain
+script and its lean twin in this process on the same random draws (the whole-run tests)."""
 
 import importlib.util
 import json
@@ -8,7 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "leanrl"
@@ -90,6 +93,151 @@ def main_in_process(module, *argv, tmp_path, monkeypatch):
     except SystemExit as e:
         return e.code
     return 0
+
+
+def short_env(env_id, max_episode_steps):
+    """The id of a registered copy of gymnasium's `env_id` with a shorter time limit, so that
+    short runs see episodes truncated (and, with random play, terminated)."""
+    import gymnasium as gym
+
+    spec = gym.spec(env_id)
+    short_id = f"LeanRLTest/{spec.name}{max_episode_steps}-v{spec.version}"
+    if short_id not in gym.registry:
+        gym.register(short_id, entry_point=spec.entry_point, max_episode_steps=max_episode_steps)
+    return short_id
+
+
+def shuffle_as_lean(x):
+    """np.random.shuffle for a plain script, with the order torch.randperm draws, as its lean
+    twin draws a minibatch order."""
+    x[:] = torch.randperm(len(x)).numpy()
+
+
+class TorchDrawingAsLean:
+    """torch for a plain PQN script, but for its per-step epsilon-greedy draws: at a rollout's
+    first step it draws the whole rollout's uniforms and random actions as the lean script's
+    `draw_exploration` does (two calls, in its order), then serves them one step at a time."""
+
+    def __init__(self, num_steps):
+        self.num_steps, self.step = num_steps, 0
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def randint(self, low, high, size):
+        if self.step % self.num_steps == 0:
+            self.uniforms = torch.rand(self.num_steps, *size)
+            self.random_actions = torch.randint(high, (self.num_steps, *size))
+        self.step += 1
+        return self.random_actions[(self.step - 1) % self.num_steps]
+
+    def rand(self, size):
+        return self.uniforms[(self.step - 1) % self.num_steps]
+
+
+class NumpyDrawingAsLean:
+    """numpy for a plain script, with its random draws taken from torch's stream in the order
+    its lean twin draws them: each minibatch's row indices as the device buffers' `sample` draws
+    them, and (DQN) every `draw_steps` steps the block of epsilon-greedy uniforms and of random
+    actions that `draw_exploration` draws, served one step at a time."""
+
+    def __init__(self, draw_steps=None):
+        self.random = self.Random(draw_steps)
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    class Random:
+        def __init__(self, draw_steps):
+            self.draw_steps, self.step = draw_steps, 0
+
+        def __getattr__(self, name):
+            return getattr(np.random, name)
+
+        def random(self, n):  # a step's uniforms
+            if self.step % self.draw_steps == 0:
+                self.uniforms = torch.rand(self.draw_steps, n).numpy()
+            self.step += 1
+            return self.uniforms[(self.step - 1) % self.draw_steps]
+
+        def randint(self, low, high=None, size=None):
+            if high is None:  # a step's random actions, randint(n_act, size=num_envs), after its uniforms
+                if (self.step - 1) % self.draw_steps == 0:
+                    self.actions = torch.randint(low, (self.draw_steps, size)).numpy()
+                return self.actions[(self.step - 1) % self.draw_steps]
+            return torch.randint(high, (size,)).numpy()  # a minibatch's rows, randint(0, rows, size=batch)
+
+
+def build_plain_targets_too(lean, monkeypatch, targets):
+    """The plain SAC and TD3 scripts build their target networks as modules, whose initial
+    weights (overwritten by copies at once) draw from torch's stream; the lean scripts clone
+    parameters, which draws nothing. So that the lean script's later draws meet the same
+    stream, its actor and two Q-networks (its first three networks, as in the plain script) are
+    followed by throwaway builds of the plain script's target networks: `targets`, class names
+    in the plain script's order."""
+    originals = {name: getattr(lean, name) for name in set(targets) | {"Actor"}}
+    built = []
+
+    def builder(name):
+        def build(*args, **kwargs):
+            net = originals[name](*args, **kwargs)
+            if kwargs.get("device") != "meta":
+                built.append((name, args, kwargs))
+                if len(built) == 3:
+                    for target in targets:
+                        _, a, k = next(b for b in built if b[0] == target)
+                        originals[target](*a, **k)
+            return net
+
+        return build
+
+    for name in originals:
+        monkeypatch.setattr(lean, name, builder(name))
+
+
+def recorded_runs(modules, args, monkeypatch):
+    """Each script module's main with `args` (a dict of Args fields), one after the other in this
+    process with one intra-op thread (as the lean scripts set it; another count sums in another
+    order); returns per module the metrics of every log point and the final weights of the
+    networks its Run.finish saves, as "network.parameter" -> tensor."""
+    threads, runs = torch.get_num_threads(), {}
+    torch.set_num_threads(1)
+    try:
+        for module in modules:
+            logged, final = [], {}
+            log, finish = module.Run.log, module.Run.finish
+
+            def recording_log(self, step, updates, metrics, networks, log=log, logged=logged):
+                logged.append({k: float(v) for k, v in metrics.items()})
+                return log(self, step, updates, metrics, networks)
+
+            def recording_finish(self, step, updates, networks, *rest, finish=finish, final=final, **fields):
+                final.update({f"{name}.{k}": v.detach().clone() for name, net in networks.items() for k, v in net.state_dict().items()})
+                return finish(self, step, updates, networks, *rest, **fields)
+
+            monkeypatch.setattr(module.Run, "log", recording_log)
+            monkeypatch.setattr(module.Run, "finish", recording_finish)
+            module.main(module.Args(**args))
+            runs[module] = logged, final
+    finally:
+        torch.set_num_threads(threads)
+    return [runs[module] for module in modules]
+
+
+def assert_same_run(plain_run, lean_run, names, metrics_abs=1e-6, weights_rtol=1e-4, weights_atol=1e-6):
+    """Two recorded runs (`recorded_runs`) log the same metrics `names` at every log point and
+    end with the same weights, within the given tolerances."""
+    assert any(name in log for log in lean_run[0] for name in names)
+    (plain_logs, plain_final), (lean_logs, lean_final) = plain_run, lean_run
+    assert len(plain_logs) == len(lean_logs) > 1
+    for i, (p, q) in enumerate(zip(plain_logs, lean_logs)):
+        for name in names:
+            assert (name in p) == (name in q), (i, name)  # DQN logs no loss before learning starts
+            if name in p:
+                assert q[name] == pytest.approx(p[name], rel=1e-5, abs=metrics_abs), (i, name)
+    assert plain_final.keys() == lean_final.keys()
+    for name in plain_final:
+        torch.testing.assert_close(lean_final[name], plain_final[name], rtol=weights_rtol, atol=weights_atol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.fixture

@@ -4,14 +4,13 @@ bad input, and learning on CartPole."""
 
 import copy
 
-import gymnasium as gym
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from tensordict import from_module
 
-from conftest import assert_one_line_error, load_script, run_script, scripts
+from conftest import NumpyDrawingAsLean, assert_one_line_error, assert_same_run, load_script, recorded_runs, run_script, scripts, short_env
 
 PLAIN_PATH, LEAN_PATH = scripts("dqn.py")[0], scripts("dqn_torchcompile.py")[0]
 BOTH = [PLAIN_PATH, LEAN_PATH]
@@ -84,16 +83,10 @@ def test_plain_loop_asks_the_schedule_at_every_step(plain, monkeypatch, tmp_path
 
 # ---------------------------------------------------------------- buffer and autoreset
 
-SHORT_ID = "LeanRLTest/CartPoleShort-v0"
-SHORT_LIMIT = 20
+SHORT_LIMIT = 20  # random play both terminates and truncates CartPole
+SHORT_ID = short_env("CartPole-v1", SHORT_LIMIT)
 # CartPole terminates past these bounds (gymnasium's CartPoleEnv); a reset state lies in +-0.05.
 X_LIMIT, THETA_LIMIT = 2.4, 12 * 2 * np.pi / 360
-
-
-def register_short_cartpole():
-    """CartPole with a time limit short enough that random play both terminates and truncates."""
-    if SHORT_ID not in gym.registry:
-        gym.register(SHORT_ID, entry_point="gymnasium.envs.classic_control.cartpole:CartPoleEnv", max_episode_steps=SHORT_LIMIT)
 
 
 @pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
@@ -102,7 +95,6 @@ def test_stored_transitions_follow_the_episodes(path, plain, lean, monkeypatch, 
     observation where an episode ended, never the reset one), the done flag is set on
     terminations only (a truncation bootstraps), and no transition spans an autoreset."""
     module = module_of(path, plain, lean)
-    register_short_cartpole()
     records = []
     add = module.ReplayBuffer.add
 
@@ -275,6 +267,23 @@ def test_compiled_update_matches_eager(lean):
         torch.testing.assert_close(compiled(idx), eager(idx), rtol=1e-5, atol=1e-5)
         for name, value in q_network.state_dict().items():
             torch.testing.assert_close(q_compiled.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# ---------------------------------------------------------------- whole run
+
+
+def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path):
+    """Given the same random numbers, the two scripts make the same run: the same envs and
+    seeds, initial weights, epsilon-greedy actions, stored transitions, minibatches, TD targets,
+    Adam steps and target-network copies, over 2,000 steps with 300 updates. So the scripts
+    differ only in how they draw (blocks of steps at once in torch against a step's in numpy:
+    the same distributions) and in float rounding."""
+    monkeypatch.chdir(tmp_path)
+    args = dict(total_timesteps=2000, learning_starts=500, train_frequency=5, target_network_frequency=100, batch_size=32)
+    monkeypatch.setattr(plain, "np", NumpyDrawingAsLean(draw_steps=256))
+    plain_run, lean_run = recorded_runs([plain, lean], args, monkeypatch)
+    assert len(lean_run[0]) == 20
+    assert_same_run(plain_run, lean_run, ["losses/td_loss", "losses/q_values", "charts/epsilon"])
 
 
 # ---------------------------------------------------------------- bad input

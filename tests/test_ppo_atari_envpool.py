@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY, assert_one_line_error, load_script, run_script, run_without, scripts
+from conftest import TINY, assert_one_line_error, assert_same_run, load_script, recorded_runs, run_script, run_without, scripts, shuffle_as_lean
 
 PLAIN_PATH, LEAN_PATH = scripts("ppo_atari_envpool.py")[0], scripts("ppo_atari_envpool_torchcompile.py")[0]
 PAIR = [PLAIN_PATH, LEAN_PATH]
@@ -261,11 +261,11 @@ def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path)
     channels-last frames as the lean one does on a CPU. Without the layout the runs drift
     apart by rounding alone: the first convolution's gradient is a sum that cancels to about
     1e-4 of its terms, so the two layouts' gradients differ in their 4th digit, and after 32
-    Adam steps the weights differ by up to 5% of a tensor's largest (value loss 0.8%). With it, the losses agree to
-    3e-7 and the weights to 1e-5."""
+    Adam steps the weights differ by up to 5% of a tensor's largest (value loss 0.8%). With
+    it, the losses agree to 3e-7 and the weights to 1e-5."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(plain, "Categorical", GumbelCategorical)
-    monkeypatch.setattr(plain.np.random, "shuffle", lambda x: x.__setitem__(slice(None), torch.randperm(len(x)).numpy()))
+    monkeypatch.setattr(plain.np.random, "shuffle", shuffle_as_lean)
     get_value, get_action_and_value = plain.Agent.get_value, plain.Agent.get_action_and_value
 
     def get_value_drawing(self, x):
@@ -281,38 +281,9 @@ def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path)
     monkeypatch.setattr(plain.Agent, "get_value", get_value_drawing)
     monkeypatch.setattr(plain.Agent, "get_action_and_value", channels_last_update)
     args = dict(env_id="Breakout-v5", num_envs=4, num_steps=64, total_timesteps=1024, num_minibatches=4, update_epochs=2)
-    # The lean script sets one intra-op thread; the plain one keeps torch's default, and
-    # another thread count sums the convolutions in another order.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    runs = {}
-    try:
-        for module in (plain, lean):
-            logged, final = [], {}
-            log, finish = module.Run.log, module.Run.finish
-
-            def recording_log(self, step, updates, metrics, networks, log=log, logged=logged):
-                logged.append({k: float(v) for k, v in metrics.items()})
-                return log(self, step, updates, metrics, networks)
-
-            def recording_finish(self, step, updates, networks, *rest, finish=finish, final=final, **fields):
-                final.update({k: v.detach().clone() for k, v in networks["agent"].state_dict().items()})
-                return finish(self, step, updates, networks, *rest, **fields)
-
-            monkeypatch.setattr(module.Run, "log", recording_log)
-            monkeypatch.setattr(module.Run, "finish", recording_finish)
-            module.main(module.Args(**args))
-            runs[module] = logged, final
-    finally:
-        torch.set_num_threads(threads)
-    (plain_logs, plain_final), (lean_logs, lean_final) = runs[plain], runs[lean]
-    assert len(plain_logs) == len(lean_logs) == 4
-    for i, (p, q) in enumerate(zip(plain_logs, lean_logs)):
-        for name in [*lean.METRICS, "charts/learning_rate", "losses/explained_variance"]:
-            assert q[name] == pytest.approx(p[name], rel=1e-5, abs=1e-6), (i, name)
-    assert plain_final.keys() == lean_final.keys()
-    for name in plain_final:
-        torch.testing.assert_close(lean_final[name], plain_final[name], rtol=1e-4, atol=1e-6, msg=name)
+    plain_run, lean_run = recorded_runs([plain, lean], args, monkeypatch)
+    assert len(lean_run[0]) == 4
+    assert_same_run(plain_run, lean_run, [*lean.METRICS, "charts/learning_rate", "losses/explained_variance"])
 
 
 # ---------------------------------------------------------------- episodes

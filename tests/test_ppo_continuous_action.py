@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY, assert_one_line_error, load_script, run_script, scripts
+from conftest import TINY, assert_one_line_error, assert_same_run, load_script, recorded_runs, run_script, scripts, short_env, shuffle_as_lean
 
 PLAIN_PATH = scripts("ppo_continuous_action.py")[0]
 LEAN_PATH = scripts("ppo_continuous_action_torchcompile.py")[0]
@@ -358,6 +358,42 @@ def test_checkpoints_carry_observation_statistics_across_the_pair(workdir):
             for path in BOTH
         ]
         assert returns[0] == returns[1] is not None
+
+
+def normal_drawing_from(rng):
+    """torch's Normal, with the sample the lean CPU policy draws: the mean plus the scale times
+    a float32 standard normal from the numpy generator `rng`."""
+
+    class Normal(torch.distributions.Normal):
+        def sample(self, sample_shape=torch.Size()):
+            return self.loc + self.scale * torch.from_numpy(rng.standard_normal(tuple(self.loc.shape), dtype=np.float32))
+
+    return Normal
+
+
+def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path):
+    """Given the same random numbers, the two scripts make the same run: the same envs and
+    seeds, initial weights, actions, observation and reward normalization (terminations and
+    time-limit truncations on 2 envs), GAE, learning-rate annealing, minibatch order, losses and
+    Adam steps, for 4 iterations of 4 minibatch updates. So the scripts differ only in how they
+    draw (the action noise from numpy's generator against torch's, torch.randperm against
+    np.random.shuffle: the same distributions) and in float rounding."""
+    monkeypatch.chdir(tmp_path)
+    args = dict(env_id=short_env("InvertedPendulum-v5", 20), num_envs=2, num_steps=64, total_timesteps=512, num_minibatches=2, update_epochs=2)
+    rng = np.random.default_rng(1)  # what the lean policy seeds with --seed 1
+    monkeypatch.setattr(plain, "Normal", normal_drawing_from(rng))
+    monkeypatch.setattr(plain.np.random, "shuffle", shuffle_as_lean)
+    get_value = plain.Agent.get_value
+
+    def get_value_drawing(self, x):
+        # The lean script bootstraps through its policy, which draws (unused) action noise.
+        rng.standard_normal((len(x), self.actor_logstd.shape[1]), dtype=np.float32)
+        return get_value(self, x)
+
+    monkeypatch.setattr(plain.Agent, "get_value", get_value_drawing)
+    plain_run, lean_run = recorded_runs([plain, lean], args, monkeypatch)
+    assert len(lean_run[0]) == 4
+    assert_same_run(plain_run, lean_run, [*lean.METRICS, "charts/learning_rate", "losses/explained_variance"])
 
 
 # Budget: 40 iterations of 1024 steps (40,960 env steps), about a minute per script on this

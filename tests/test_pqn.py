@@ -4,14 +4,13 @@ the plain script's step, compiled against eager), bad input, and learning."""
 
 import copy
 
-import gymnasium as gym
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 import tyro
 
-from conftest import TINY, family, load_script, main_in_process, run_script, scripts
+from conftest import TINY, TorchDrawingAsLean, assert_same_run, family, load_script, main_in_process, recorded_runs, run_script, scripts, short_env, shuffle_as_lean
 
 PLAIN_PATH, LEAN_PATH = scripts("pqn.py")[0], scripts("pqn_torchcompile.py")[0]
 BOTH = [PLAIN_PATH, LEAN_PATH]
@@ -147,14 +146,12 @@ def test_lean_draws_explore_below_epsilon_and_act_at_random(lean):
 
 # ---------------------------------------------------------------- truncations
 
-SHORT_ID = "LeanRLTest/PQNCartPoleShort-v0"
+SHORT_ID = short_env("CartPole-v1", 20)  # random play both terminates and truncates
 
 
 def test_truncations_bootstrap_from_the_true_last_observation(lean, monkeypatch, tmp_path):
     """With a 20-step limit, random play both terminates and truncates: the returns get max Q of
     the true last observation where (and only where) a time limit cut the episode."""
-    if SHORT_ID not in gym.registry:
-        gym.register(SHORT_ID, entry_point="gymnasium.envs.classic_control.cartpole:CartPoleEnv", max_episode_steps=20)
     seen = []
     make_returns = lean.make_returns
 
@@ -241,6 +238,25 @@ def test_compiled_update_matches_eager(lean):
         torch.testing.assert_close(q_compiled.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
         if name.endswith("weight"):
             assert not torch.equal(value, initial[name]), name
+
+
+# ---------------------------------------------------------------- whole run
+
+
+def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path):
+    """Given the same random numbers, the two scripts make the same run: the same envs and
+    seeds, initial weights, epsilon-greedy actions, Q(lambda) returns (terminations and
+    time-limit truncations inside the rollouts), learning-rate annealing, minibatch order and
+    RAdam steps, for 4 iterations of 8 minibatch updates. So the scripts differ only in how they
+    draw (a rollout's draws at once against a step's, torch.randperm against
+    np.random.shuffle: the same distributions) and in float rounding."""
+    monkeypatch.chdir(tmp_path)
+    args = dict(env_id=SHORT_ID, num_envs=4, num_steps=32, total_timesteps=512, num_minibatches=4, update_epochs=2)
+    monkeypatch.setattr(plain, "torch", TorchDrawingAsLean(args["num_steps"]))
+    monkeypatch.setattr(plain.np.random, "shuffle", shuffle_as_lean)
+    plain_run, lean_run = recorded_runs([plain, lean], args, monkeypatch)
+    assert len(lean_run[0]) == 4
+    assert_same_run(plain_run, lean_run, [*lean.METRICS, "charts/learning_rate", "charts/epsilon"])
 
 
 # ---------------------------------------------------------------- bad input

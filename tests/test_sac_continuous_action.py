@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from tensordict import from_modules
 
-from conftest import TINY, assert_one_line_error, load_script, run_script, scripts
+from conftest import TINY, NumpyDrawingAsLean, assert_one_line_error, assert_same_run, build_plain_targets_too, load_script, recorded_runs, run_script, scripts, short_env
 
 PAIR = scripts("sac_continuous_action*.py")
 PLAIN_PATH = scripts("sac_continuous_action.py")[0]
@@ -310,6 +310,31 @@ def test_buffer_keeps_terminations_apart(script, workdir, monkeypatch):
     for t, i, final_obs, reset_obs, _ in ends:
         np.testing.assert_allclose(next_obs[t * 2 + i], final_obs, rtol=0, atol=1e-6)
         assert np.abs(final_obs - reset_obs).max() > 1e-3
+
+
+# ---------------------------------------------------------------- whole run
+
+
+def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path):
+    """Given the same random numbers, the two scripts make the same run (the lean one eager: a
+    compiled update draws its noise from inductor's own stream): the same envs and seeds,
+    initial weights, random first actions, stored transitions (3 time-limit truncations),
+    minibatches, sampled actions and their log-probabilities, the entropy coefficient's tuning,
+    delayed actor updates and Polyak target updates, over 150 steps and 86 updates. So the
+    scripts differ only in how they draw the minibatch rows (torch on the device against numpy:
+    the same distribution) and in float rounding.
+
+    Short, because longer runs drift apart by rounding alone: once a ReLU input near zero
+    changes sign, the gradients of its weights change, and Adam (eps 1e-8) turns a tiny gradient
+    into a whole step (TD3 at 250 steps: the first critic's weights 7e-5 apart, the second's
+    2e-7)."""
+    monkeypatch.chdir(tmp_path)
+    args = dict(env_id=short_env("Pendulum-v1", 40), total_timesteps=150, learning_starts=64, batch_size=32, buffer_size=1000)
+    monkeypatch.setattr(plain, "np", NumpyDrawingAsLean())
+    build_plain_targets_too(lean, monkeypatch, ["SoftQNetwork", "SoftQNetwork"])
+    plain_run, lean_run = recorded_runs([plain, lean], args, monkeypatch)
+    assert len(lean_run[0]) == 2
+    assert_same_run(plain_run, lean_run, lean.METRICS)
 
 
 # ---------------------------------------------------------------- bad input

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from tensordict import TensorDict, from_module, from_modules
 
-from conftest import TINY, assert_one_line_error, load_script, run_script, scripts
+from conftest import TINY, NumpyDrawingAsLean, assert_one_line_error, assert_same_run, build_plain_targets_too, load_script, recorded_runs, run_script, scripts, short_env
 
 PLAIN_PATH, LEAN_PATH = scripts("td3_continuous_action.py")[0], scripts("td3_continuous_action_torchcompile.py")[0]
 BOTH = [PLAIN_PATH, LEAN_PATH]
@@ -291,6 +291,31 @@ def test_num_envs_steps_all_envs_and_updates_once_per_step(path, workdir):
     assert one["total_steps"] == two["total_steps"] == total
     assert one["updates"] == total - starts
     assert two["updates"] == (total - starts) // 2
+
+
+# ---------------------------------------------------------------- whole run
+
+
+def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path):
+    """Given the same random numbers, the two scripts make the same run (the lean one eager: a
+    compiled update draws its noise from inductor's own stream): the same envs and seeds,
+    initial weights, random first actions, stored transitions (3 time-limit truncations),
+    minibatches, exploration noise, target-policy smoothing noise, delayed actor updates and
+    Polyak target updates, over 120 steps and 56 updates. So the scripts differ only in how they
+    draw the minibatch rows (torch on the device against numpy: the same distribution) and in
+    float rounding.
+
+    Short, because longer runs drift apart by rounding alone: once a ReLU input near zero
+    changes sign, the gradients of its weights change, and Adam (eps 1e-8) turns a tiny gradient
+    into a whole step (here at step 134: the actor's weights move from 6e-8 to 2e-5 apart in
+    one update)."""
+    monkeypatch.chdir(tmp_path)
+    args = dict(env_id=short_env("Pendulum-v1", 40), total_timesteps=120, learning_starts=64, batch_size=32, buffer_size=1000)
+    monkeypatch.setattr(plain, "np", NumpyDrawingAsLean())
+    build_plain_targets_too(lean, monkeypatch, ["QNetwork", "QNetwork", "Actor"])
+    plain_run, lean_run = recorded_runs([plain, lean], args, monkeypatch)
+    assert len(lean_run[0]) == 2
+    assert_same_run(plain_run, lean_run, lean.METRICS)
 
 
 # ---------------------------------------------------------------- bad input
