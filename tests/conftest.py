@@ -227,9 +227,9 @@ def recorded_runs(modules, args, monkeypatch):
 def assert_same_run(plain_run, lean_run, names, metrics_abs=1e-6, weights_rtol=1e-4, weights_atol=1e-6):
     """Two recorded runs (`recorded_runs`) log the same metrics `names` at every log point and
     end with the same weights, within the given tolerances."""
-    assert any(name in log for log in lean_run[0] for name in names)
     (plain_logs, plain_final), (lean_logs, lean_final) = plain_run, lean_run
     assert len(plain_logs) == len(lean_logs) > 1
+    assert any(name in log for log in lean_logs for name in names)
     for i, (p, q) in enumerate(zip(plain_logs, lean_logs)):
         for name in names:
             assert (name in p) == (name in q), (i, name)  # DQN logs no loss before learning starts

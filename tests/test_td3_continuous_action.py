@@ -297,13 +297,12 @@ def test_num_envs_steps_all_envs_and_updates_once_per_step(path, workdir):
 
 
 def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path):
-    """Given the same random numbers, the two scripts make the same run (the lean one eager: a
-    compiled update draws its noise from inductor's own stream): the same envs and seeds,
-    initial weights, random first actions, stored transitions (3 time-limit truncations),
-    minibatches, exploration noise, target-policy smoothing noise, delayed actor updates and
-    Polyak target updates, over 120 steps and 56 updates. So the scripts differ only in how they
-    draw the minibatch rows (torch on the device against numpy: the same distribution) and in
-    float rounding.
+    """Given the same random numbers, the two scripts make the same run (the lean one eager, which
+    needs no compile): the same envs and seeds, initial weights, random first actions, stored
+    transitions (3 time-limit truncations), minibatches, exploration noise, target-policy
+    smoothing noise, delayed actor updates and Polyak target updates, over 120 steps and 56
+    updates. So the scripts differ only in how they draw the minibatch rows (torch on the device
+    against numpy: the same distribution) and in float rounding.
 
     Short, because longer runs drift apart by rounding alone: once a ReLU input near zero
     changes sign, the gradients of its weights change, and Adam (eps 1e-8) turns a tiny gradient
