@@ -257,7 +257,7 @@ def test_compiled_update_matches_eager(lean):
     q_compiled, target_compiled = copy.deepcopy(q_network), copy.deepcopy(target_network)
     eager = lean.make_update(q_network, target_network, lean.Adam(q_network.named_parameters(), args.learning_rate), storage, args.gamma)
     compiled_update = lean.make_update(q_compiled, target_compiled, lean.Adam(q_compiled.named_parameters(), args.learning_rate), storage, args.gamma)
-    compiled = torch.compile(compiled_update, options={"cpp_wrapper": True})
+    compiled = torch.compile(compiled_update, options={"guard_filter_fn": lean.value_guards, "cpp_wrapper": True})
     for k, idx in enumerate(batches):
         if k == 3:
             # A target update between two steps, done in place as the loop does it: the compiled
@@ -267,6 +267,20 @@ def test_compiled_update_matches_eager(lean):
         torch.testing.assert_close(compiled(idx), eager(idx), rtol=1e-5, atol=1e-5)
         for name, value in q_network.state_dict().items():
             torch.testing.assert_close(q_compiled.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_update_compiled_again_with_another_gamma_compiles_anew(lean):
+    """The scripts compile with `value_guards`, which drops most of torch.compile's guards. An
+    update made again in the same process with another discount (a float the graph holds as a
+    constant) must get its own graph, not reuse the first: each compiled update against its eager
+    twin. torch.compiler.keep_tensor_guards_unsafe fails this (both ran with gamma 0.99)."""
+    args, q_network, target_network, storage, batches = update_case(lean)
+    for gamma in (0.99, 0.5):
+        q_eager, target_eager, q_compiled, target_compiled = (copy.deepcopy(net) for net in (q_network, target_network) * 2)
+        eager = lean.make_update(q_eager, target_eager, lean.Adam(q_eager.named_parameters(), args.learning_rate), storage, gamma)
+        compiled = lean.make_update(q_compiled, target_compiled, lean.Adam(q_compiled.named_parameters(), args.learning_rate), storage, gamma)
+        compiled = torch.compile(compiled, options={"guard_filter_fn": lean.value_guards, "cpp_wrapper": True})
+        torch.testing.assert_close(compiled(batches[0]), eager(batches[0]), rtol=1e-5, atol=1e-5, msg=f"gamma {gamma}")
 
 
 # ---------------------------------------------------------------- whole run

@@ -77,7 +77,7 @@ def test_stacked_update_is_n_single_updates(lean, compiled):
     seed_nets, params, target_params, update = stacked(lean, nets, targets, storages)
     singles = [single(lean, nets[k], targets[k], storages[k]) for k in range(N)]
     if compiled:
-        update = torch.compile(update, options={"cpp_wrapper": True})
+        update = torch.compile(update, options={"guard_filter_fn": lean.value_guards, "cpp_wrapper": True})
     for step, idx in enumerate(batches):
         if step == 3:
             target_params.lerp_(params, 1.0)
@@ -475,7 +475,7 @@ def ppo_updates(request, script, compiled=False, change=None):
     args = module.Args(**args)
 
     def compile_(update):
-        return torch.compile(update, fullgraph=True) if compiled else update
+        return torch.compile(update, fullgraph=True, options={"guard_filter_fn": module.value_guards}) if compiled else update
 
     seed_agents = copy.deepcopy(agents)
     params = module.stack_seeds(seed_agents)

@@ -76,7 +76,7 @@ def test_compiled_update_matches_eager(lean):
     batch = make_batch(64)
     eager_agent, eager_lr, eager = agent_and_update(lean, args)
     compiled_agent, compiled_lr, compiled = agent_and_update(lean, args, eager_agent, compiled=True)
-    compiled = torch.compile(compiled, fullgraph=True)
+    compiled = torch.compile(compiled, fullgraph=True, options={"guard_filter_fn": lean.value_guards})
     initial = copy.deepcopy(eager_agent.state_dict())
     batch_cl = (batch[0].contiguous(memory_format=torch.channels_last),) + batch[1:]
     for k, idx in enumerate(torch.randperm(64).split(16)):

@@ -40,7 +40,7 @@ def lean_update(lean, agent, args, compiled):
     lr = torch.tensor(args.learning_rate)
     optimizer = lean.Adam(agent.named_parameters(), lr, eps=1e-5, fused=not compiled)
     update = lean.make_update(agent, optimizer, args)
-    return (torch.compile(update, fullgraph=True) if compiled else update), lr
+    return (torch.compile(update, fullgraph=True, options={"guard_filter_fn": lean.value_guards}) if compiled else update), lr
 
 
 def plain_step(plain, agent, optimizer, args, minibatch):

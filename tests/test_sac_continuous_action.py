@@ -71,7 +71,8 @@ def lean_learner(lean, args, state, compiled=False):
     update_critic, update_actor = lean.make_update(actor, target_params, alpha, q_optimizer, actor_optimizer, a_optimizer, storage, args.gamma)
     if compiled:
         # fullgraph: each update is one graph (a graph break raises), as main compiles it.
-        update_critic, update_actor = torch.compile(update_critic, fullgraph=True), torch.compile(update_actor, fullgraph=True)
+        options = {"guard_filter_fn": lean.value_guards}
+        update_critic, update_actor = (torch.compile(f, fullgraph=True, options=options) for f in (update_critic, update_actor))
     nets = {"actor": actor, "qf1": qf1, "qf2": qf2, "log_alpha": log_alpha, "alpha": alpha}
     return nets, storage, update_critic, update_actor, lambda: target_params.lerp_(q_params, args.tau), target_params
 

@@ -85,7 +85,7 @@ def make_lean(lean, networks, storage, args, compiled):
     updates = lean.make_update(actor, target_actor, q_optimizer, actor_optimizer, q_target_params, storage, BOUNDS, args)
     if compiled:
         # fullgraph: each update is one graph (a graph break raises), as main compiles it.
-        updates = tuple(torch.compile(f, fullgraph=True) for f in updates)
+        updates = tuple(torch.compile(f, fullgraph=True, options={"guard_filter_fn": lean.value_guards}) for f in updates)
     return (actor, qf1, qf2), (params, target_params), updates
 
 
