@@ -229,7 +229,7 @@ def test_compiled_update_matches_eager(lean):
     lr_eager, lr_compiled = torch.tensor(2.5e-4), torch.tensor(2.5e-4)
     eager = lean.make_update(q_eager, lean.RAdam(q_eager.named_parameters(), lr_eager), 10.0)
     compiled = lean.make_update(q_compiled, lean.RAdam(q_compiled.named_parameters(), lr_compiled, capturable=True), 10.0)
-    compiled = torch.compile(compiled, fullgraph=True, options={"guard_filter_fn": lean.value_guards})
+    compiled = torch.compile(compiled, fullgraph=True, options={"guard_filter_fn": lean.value_guards, "cpp_wrapper": True})
     for k, idx in enumerate(minibatches):
         lr_eager.fill_(2.5e-4 * (1 - k / 8))
         lr_compiled.fill_(2.5e-4 * (1 - k / 8))
