@@ -593,7 +593,7 @@ class Run:
     def write(self):
         """The points since the last log point, handed to TensorBoard and wandb at once.
         TensorBoard's writer thread takes the GIL for each event it is handed: one at a time (a
-        finished episode every few steps in lean PQN) cost 9% of its steps/s, in one go 4%."""
+        finished episode every few steps in lean PQN) cost 8% of its steps/s, in one go 3%."""
         # Ctrl-C and SIGTERM wait until the writers are done: a KeyboardInterrupt inside
         # TensorBoard's writer can leave it so that close() hangs (tensorboard 2.21).
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
