@@ -695,12 +695,14 @@ def main(args: Args):
     update = make_update(q_network, optimizer, args.max_grad_norm)
     # What --compile compiles (2-core CPU, torch 2.13, one thread, CartPole, best of 7 runs):
     # - update: 1447 us eager, 331 us compiled per minibatch of 128 (one graph of C++ kernels
-    #   around 6 matmuls; the eager RAdam alone is 353 us of Python over six tensors); on a CPU
-    #   with inductor's C++ wrapper, which drops the Python glue between kernels: on a faster
-    #   day 220 us against 183-194 (with value_guards), whole runs 1.02-1.04x (3 pinned pairs);
+    #   around 6 matmuls; the eager RAdam alone is 353 us of Python over six tensors). On a CPU
+    #   it runs through inductor's C++ wrapper, which drops the Python glue between kernels
+    #   (another day, with value_guards: 220 us without the wrapper, 183-194 us with it; whole
+    #   runs 1.02-1.04x, 3 pinned pairs);
     # - policy: 35 us eager (54 us through the module), 52 us compiled for 4 observations (the
     #   compiled call's wrappers cost more than fusing a dozen tiny ops saves), so it is compiled
     #   on CUDA only; 27.5 us eager once its draws moved to draw_exploration (27 us a rollout).
+    #   Still so with value_guards: 21 us eager, 32 us compiled, 29 us with the C++ wrapper.
     if args.compile:
         update = torch.compile(update, fullgraph=True, options={"guard_filter_fn": value_guards, "cpp_wrapper": device.type == "cpu"})
         if device.type == "cuda":
