@@ -699,10 +699,9 @@ def main(args: Args):
     #   it runs through inductor's C++ wrapper, which drops the Python glue between kernels
     #   (another day, with value_guards: 220 us without the wrapper, 183-194 us with it; whole
     #   runs 1.02-1.04x, 3 pinned pairs);
-    # - policy: 35 us eager (54 us through the module), 52 us compiled for 4 observations (the
-    #   compiled call's wrappers cost more than fusing a dozen tiny ops saves), so it is compiled
-    #   on CUDA only; 27.5 us eager once its draws moved to draw_exploration (27 us a rollout).
-    #   Still so with value_guards: 21 us eager, 32 us compiled, 29 us with the C++ wrapper.
+    # - policy: 21 us eager for 4 observations, 32 us compiled and 29 us with the C++ wrapper
+    #   (with value_guards; the compiled call's wrappers cost more than fusing a dozen tiny ops
+    #   saves), so it is compiled on CUDA only.
     if args.compile:
         update = torch.compile(update, fullgraph=True, options={"guard_filter_fn": value_guards, "cpp_wrapper": device.type == "cpu"})
         if device.type == "cuda":
