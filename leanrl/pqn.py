@@ -119,10 +119,9 @@ def make_envs(args, run_name, num_envs, capture_video=False):
             probe.render()
             probe.close()
         # SAME_STEP autoreset, as in the DQN pair: the step that ends an episode returns the first
-        # observation of the next one and the true last one in infos["final_obs"], so every step
-        # of a rollout is one real transition (NEXT_STEP would spend a step per episode on a reset
-        # whose transition the loss must leave out), and a truncated episode bootstraps from the
-        # value of its true last observation.
+        # observation of the next one, so every step of a rollout is one real transition
+        # (NEXT_STEP would spend a step per episode on a reset whose transition the loss must
+        # leave out).
         thunks = [make_env(args.env_id, i, capture_video, run_name) for i in range(num_envs)]
         envs = gym.vector.SyncVectorEnv(thunks, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
     except gym.error.DependencyNotInstalled as e:
@@ -132,17 +131,6 @@ def make_envs(args, run_name, num_envs, capture_video=False):
     if not isinstance(envs.single_observation_space, gym.spaces.Box):
         fail(f"{args.env_id} has a {type(envs.single_observation_space).__name__} observation space; this script handles Box observations only")
     return envs
-
-
-def real_next_obs(next_obs, infos):
-    """The observation each env reached: `next_obs`, except where an episode just ended: there
-    `next_obs` already starts the next episode and the true last one is in infos."""
-    if "final_obs" not in infos:
-        return next_obs
-    real = next_obs.copy()
-    for i in np.flatnonzero(infos["_final_obs"]):
-        real[i] = infos["final_obs"][i]
-    return real
 
 
 def linear_schedule(start_e: float, end_e: float, duration: float, t: int) -> float:
@@ -515,11 +503,8 @@ def main(args: Args):
     obs = torch.zeros((args.num_steps, args.num_envs, n_obs)).to(device)
     actions = torch.zeros((args.num_steps, args.num_envs), dtype=torch.long).to(device)
     rewards = torch.zeros((args.num_steps, args.num_envs)).to(device)
-    terminations = torch.zeros((args.num_steps, args.num_envs)).to(device)
     dones = torch.zeros((args.num_steps, args.num_envs)).to(device)
     values = torch.zeros((args.num_steps, args.num_envs)).to(device)
-    # max Q of the true last observation of an episode that a time limit cut at this step
-    final_values = torch.zeros((args.num_steps, args.num_envs)).to(device)
 
     global_step = updates = 0
     epsilon, lr_now = args.start_e, args.learning_rate
@@ -531,7 +516,6 @@ def main(args: Args):
                 lr_now = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
                 optimizer.param_groups[0]["lr"] = lr_now
 
-            final_values.zero_()
             for step in range(0, args.num_steps):
                 global_step += args.num_envs
                 obs[step] = next_obs
@@ -548,19 +532,14 @@ def main(args: Args):
 
                 next_obs, reward, termination, truncation, infos = envs.step(action.cpu().numpy())
                 rewards[step] = torch.tensor(reward).to(device).view(-1)
-                terminations[step] = torch.Tensor(termination).to(device)
+                # As CleanRL's PQN and our PPO: a time limit ends the return as a termination does.
                 dones[step] = torch.Tensor(np.logical_or(termination, truncation)).to(device)
-                if truncation.any():  # see make_envs for the autoreset
-                    with torch.no_grad():
-                        final_q = q_network(torch.Tensor(real_next_obs(next_obs, infos)).to(device).flatten(1)).max(dim=1).values
-                    final_values[step] = torch.where(torch.as_tensor(truncation, device=device), final_q, 0.0)
                 next_obs = torch.Tensor(next_obs).to(device).flatten(1)
                 run.episodes(global_step, infos)
 
-            # Q(lambda) returns. Two corrections to CleanRL's loop: at an episode's end the
+            # Q(lambda) returns. One correction to CleanRL's loop: at an episode's end the
             # lambda-weighted return of the next step (another episode's) is cut off as well as
-            # the bootstrap, and a time-limit truncation bootstraps from max Q of the true last
-            # observation where CleanRL treats it as a termination.
+            # the bootstrap.
             with torch.no_grad():
                 next_value = q_network(next_obs).max(dim=1).values
                 returns = torch.zeros_like(rewards).to(device)
@@ -569,9 +548,7 @@ def main(args: Args):
                         next_q, next_return = next_value, next_value
                     else:
                         next_q, next_return = values[t + 1], returns[t + 1]
-                    next_q = torch.where(dones[t].bool(), final_values[t], next_q)
-                    next_return = torch.where(dones[t].bool(), next_q, next_return)
-                    returns[t] = rewards[t] + args.gamma * (1.0 - terminations[t]) * (
+                    returns[t] = rewards[t] + args.gamma * (1.0 - dones[t]) * (
                         args.q_lambda * next_return + (1 - args.q_lambda) * next_q
                     )
 

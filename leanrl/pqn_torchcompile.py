@@ -154,10 +154,9 @@ def make_envs(args, run_name, num_envs, capture_video=False):
             probe.render()
             probe.close()
         # SAME_STEP autoreset, as in the DQN pair: the step that ends an episode returns the first
-        # observation of the next one and the true last one in infos["final_obs"], so every step
-        # of a rollout is one real transition (NEXT_STEP would spend a step per episode on a reset
-        # whose transition the loss must leave out), and a truncated episode bootstraps from the
-        # value of its true last observation.
+        # observation of the next one, so every step of a rollout is one real transition
+        # (NEXT_STEP would spend a step per episode on a reset whose transition the loss must
+        # leave out).
         thunks = [make_env(args.env_id, i, capture_video, run_name) for i in range(num_envs)]
         envs = SameStepEnvs(thunks)
     except gym.error.DependencyNotInstalled as e:
@@ -167,17 +166,6 @@ def make_envs(args, run_name, num_envs, capture_video=False):
     if not isinstance(envs.single_observation_space, gym.spaces.Box):
         fail(f"{args.env_id} has a {type(envs.single_observation_space).__name__} observation space; this script handles Box observations only")
     return envs
-
-
-def real_next_obs(next_obs, infos):
-    """The observation each env reached: `next_obs`, except where an episode just ended: there
-    `next_obs` already starts the next episode and the true last one is in infos."""
-    if "final_obs" not in infos:
-        return next_obs
-    real = next_obs.copy()
-    for i in np.flatnonzero(infos["_final_obs"]):
-        real[i] = infos["final_obs"][i]
-    return real
 
 
 def linear_schedule(start_e: float, end_e: float, duration: float, t: int) -> float:
@@ -277,15 +265,15 @@ def make_policy(q_network):
 
 def make_returns(gamma, q_lambda):
     """Q(lambda) returns over a rollout of shape (num_steps, num_envs), the plain script's loop on
-    whole rows: G[t] = r[t] + gamma (1 - terminated[t]) ((1 - l) Q[t] + l G[t + 1]), with Q[t]
-    max Q of the next observation (`values[t + 1]`, `next_value` after the last step, the true
-    last observation's `final_values[t]` where an episode ended) and l = q_lambda, or 0 where an
-    episode ended at t or the rollout ends (nothing flows back from another episode)."""
+    whole rows: G[t] = r[t] + gamma (1 - done[t]) ((1 - l) Q[t] + l G[t + 1]), with Q[t] max Q of
+    the next observation (`values[t + 1]`, `next_value` after the last step) and l = q_lambda, or
+    0 at the rollout's last step."""
 
-    def returns_fn(rewards, values, next_value, final_values, terminations, dones):
-        next_q = torch.where(dones.bool(), final_values, torch.cat([values[1:], next_value.unsqueeze(0)]))
-        discount = gamma * (1.0 - terminations)
-        lam = q_lambda * torch.cat([1.0 - dones[:-1], torch.zeros_like(dones[:1])])
+    def returns_fn(rewards, values, next_value, dones):
+        next_q = torch.cat([values[1:], next_value.unsqueeze(0)])
+        lam = torch.full_like(rewards, q_lambda)
+        lam[-1] = 0.0
+        discount = gamma * (1.0 - dones)
         base = rewards + discount * (1.0 - lam) * next_q
         decay = discount * lam
         # G[t] = base[t] + decay[t] G[t + 1] is (I - U) G = base per env, U upper bidiagonal with
@@ -684,11 +672,10 @@ def main(args: Args):
     # The rollout: host arrays for what the envs return (one copy per field per rollout to the
     # device), device tensors for what the policy returns.
     steps_envs = (args.num_steps, args.num_envs)
-    stage = {"obs": np.zeros((*steps_envs, n_obs), np.float32), **{k: np.zeros(steps_envs, np.float32) for k in ("rewards", "terminations", "dones")}}
+    stage = {"obs": np.zeros((*steps_envs, n_obs), np.float32), **{k: np.zeros(steps_envs, np.float32) for k in ("rewards", "dones")}}
     storage = {k: torch.empty(v.shape, device=device) for k, v in stage.items()}
     storage["actions"] = torch.empty(steps_envs, dtype=torch.long, device=device)
     storage["values"] = torch.empty(steps_envs, device=device)
-    final_values = torch.zeros(steps_envs, device=device)
 
     policy = make_policy(q_network)
     returns_fn = make_returns(args.gamma, args.q_lambda)
@@ -723,7 +710,6 @@ def main(args: Args):
                     lr_now = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
                     lr.copy_(lr_now)
 
-                final_values.zero_()
                 actions, values = [], []
                 # Each step's epsilon is the schedule's after counting that step's env steps.
                 epsilons = [linear_schedule(args.start_e, args.end_e, args.exploration_fraction * args.total_timesteps, global_step + args.num_envs * (t + 1))
@@ -744,12 +730,7 @@ def main(args: Args):
                         # note: .cpu() is a CPU-GPU sync point on CUDA, which the host env needs anyway
                         next_obs, reward, termination, truncation, infos = envs.step(action.cpu().numpy())
                         stage["rewards"][step] = reward
-                        stage["terminations"][step] = termination
-                        stage["dones"][step] = termination | truncation
-                        # A host array: no sync. Rare (a time limit), so the module's forward does it.
-                        if "final_obs" in infos and truncation.any():  # see make_envs for the autoreset
-                            final_q = q_network(torch.as_tensor(real_next_obs(next_obs, infos), device=device).flatten(1)).max(dim=1).values
-                            final_values[step] = torch.where(torch.as_tensor(truncation, device=device), final_q, 0.0)
+                        stage["dones"][step] = termination | truncation  # a time limit ends the return too
                         run.episodes(global_step, infos)
                         obs = next_obs.reshape(args.num_envs, n_obs).astype(np.float32, copy=False)
 
@@ -760,7 +741,7 @@ def main(args: Args):
                 torch.stack(values, out=storage["values"])
                 for key, staged in stage.items():
                     storage[key].copy_(torch.from_numpy(staged))
-                returns = returns_fn(storage["rewards"], storage["values"], next_value, final_values, storage["terminations"], storage["dones"])
+                returns = returns_fn(storage["rewards"], storage["values"], next_value, storage["dones"])
 
                 batch = (storage["obs"].view(batch_size, n_obs), storage["actions"].view(batch_size), returns.view(batch_size))
                 for epoch in range(args.update_epochs):
