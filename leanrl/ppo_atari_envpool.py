@@ -395,8 +395,14 @@ class Run:
 
     def on_uncaught(self, kind, value, traceback):
         """Ctrl-C or SIGTERM outside the training loop (while envs and networks are made): the
-        summary and exit status of an interrupted run, not a traceback."""
-        if not issubclass(kind, KeyboardInterrupt):
+        summary and exit status of an interrupted run, not a traceback. One that lands inside an
+        import may come as the cause of another error: Python 3.11 wraps what a `__set_name__`
+        raises in a RuntimeError, and building a torch optimizer imports torch._dynamo, which
+        runs many."""
+        interrupt = value
+        while interrupt is not None and not isinstance(interrupt, KeyboardInterrupt):
+            interrupt = interrupt.__cause__
+        if interrupt is None:
             return sys.__excepthook__(kind, value, traceback)
         self.interrupted = self.interrupted or signal.SIGINT
         try:

@@ -151,14 +151,21 @@ def test_only_finite_weights_are_saved(script, tmp_path, monkeypatch, capsys):
         assert torch.all(weight == (7.0 if expected == "last" else 1.0))
 
 
-def start_long_run(script, workdir, *extra):
+def start_long_run(script, workdir, *extra, before=None):
+    """The script at its tiny settings but `extra`, in the background; `before`: Python source
+    that its process runs first."""
     tiny = TINY[family(script)]
     i = tiny.index("--total-timesteps")
     argv = [*tiny[:i], *tiny[i + 2 :], *map(str, extra)]
+    if before:
+        run = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+        argv = ["-c", f"{before}\n{run}", str(script), *argv]
+    else:
+        argv = [str(script), *argv]
     # A shell without job control starts background jobs with SIGINT ignored: give the script the
     # default disposition, as in a terminal.
     return subprocess.Popen(
-        [sys.executable, str(script), *argv], cwd=workdir,
+        [sys.executable, *argv], cwd=workdir,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
@@ -173,8 +180,11 @@ def wait_for(proc, text, timeout=180):
     return seen
 
 
-def stop_and_read(proc, signum, seen):
-    proc.send_signal(signum)
+def stop_and_read(proc, signum, seen, send=True):
+    """Send `signum` (or, with send=False, wait for the one the script sends itself); the exit
+    status it stands for, no traceback; returns the summary."""
+    if send:
+        proc.send_signal(signum)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signum, (proc.returncode, seen + stderr)
     assert "Traceback" not in stderr, stderr
@@ -193,21 +203,41 @@ def test_signal_during_training_saves_and_exits_non_zero(script, signum, workdir
     assert all(torch.isfinite(t).all() for net in checkpoint["model"].values() for t in net.values())
 
 
+# Sends `signum` to the script's own process 1 s after its `evaluate` starts.
+SIGNAL_IN_EVALUATION = """
+import os, sys, threading
+def profile(frame, event, arg):
+    if event == "call" and frame.f_code.co_name == "evaluate" and frame.f_globals["__name__"] == "__main__":
+        sys.setprofile(None)
+        threading.Timer(1.0, os.kill, (os.getpid(), {signum})).start()
+sys.setprofile(profile)
+"""
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 @pytest.mark.parametrize("script", PLAIN, ids=lambda s: s.stem)
 def test_signal_during_evaluation_still_prints_the_summary(script, signum, workdir):
     summary, _ = run_script(script, *TINY[family(script)], "--save-model", cwd=workdir)
-    folders = set((workdir / "runs").iterdir())
-    proc = start_long_run(script, workdir, "--total-timesteps", 0, "--load-model", summary["checkpoint"], "--eval-episodes", 100_000)
-    # The run's folder appears once the imports are done (slow beside other work); evaluation
-    # starts after the checkpoint loads and the eval env is made, well within 3 s of that.
-    deadline = time.monotonic() + 180
-    while set((workdir / "runs").iterdir()) == folders and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    time.sleep(3)
-    assert proc.poll() is None
-    summary = stop_and_read(proc, signum, "")
+    before = SIGNAL_IN_EVALUATION.format(signum=int(signum))
+    proc = start_long_run(script, workdir, "--total-timesteps", 0, "--load-model", summary["checkpoint"], "--eval-episodes", 100_000, before=before)
+    summary = stop_and_read(proc, signum, "", send=False)
     assert summary["interrupted"] is True and summary["eval_return"] is None
+
+
+@pytest.mark.parametrize("script", PLAIN, ids=lambda s: s.stem)
+def test_interrupt_inside_an_import_is_an_interrupt(script, workdir):
+    """A Ctrl-C that lands inside an import while the script sets up comes out as the cause of a
+    RuntimeError (Python 3.11, a `__set_name__` interrupted: building a torch optimizer imports
+    torch._dynamo). It still ends as an interrupted run: summary, exit 130, no traceback."""
+    before = (
+        "import torch.optim\n"
+        "def interrupted(*args, **kwargs):\n"
+        "    raise RuntimeError('Error calling __set_name__') from KeyboardInterrupt()\n"
+        "torch.optim.Optimizer.__init__ = interrupted"
+    )
+    proc = start_long_run(script, workdir, "--total-timesteps", 10_000, "--save-model", before=before)
+    summary = stop_and_read(proc, signal.SIGINT, "", send=False)
+    assert summary["interrupted"] is True and summary["total_steps"] == 0 and summary["checkpoint"] is None
 
 
 def run_block(path):
