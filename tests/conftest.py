@@ -13,6 +13,10 @@ import numpy as np
 import pytest
 import torch
 
+# One intra-op thread in each test process too: pytest-xdist runs a worker per core, and
+# OpenMP's spinning threads beside another busy process stall small ops tenfold.
+torch.set_num_threads(1)
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "leanrl"
 
