@@ -41,12 +41,12 @@ def test_checkpoint_round_trip_across_the_pair(script, workdir):
         assert evals[0] == pytest.approx(evals[1], rel=1e-5), (trained_by.name, evals)
 
 
-def test_missing_checkpoint_is_one_line(workdir):
+@pytest.mark.parametrize("script", ALL, ids=lambda s: s.stem)
+def test_missing_checkpoint_is_one_line(script, workdir):
     from conftest import assert_one_line_error
 
-    for script in ALL:
-        _, proc = run_script(script, *TINY[family(script)], "--load-model", "nope.pt", cwd=workdir, check=False)
-        assert_one_line_error(proc, "nope.pt")
+    _, proc = run_script(script, *TINY[family(script)], "--load-model", "nope.pt", cwd=workdir, check=False)
+    assert_one_line_error(proc, "nope.pt")
 
 
 @pytest.mark.parametrize("script", ALL, ids=lambda s: s.stem)
