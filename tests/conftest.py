@@ -51,14 +51,17 @@ def run_script(script, *args, cwd, timeout=600, env=None, check=True):
     return summary, proc
 
 
+def script_command(script, before="", after=""):
+    """The command that runs `script` as __main__ (its arguments go after it) in a Python that
+    runs the source `before` first and `after` once the script returns."""
+    run = "import runpy, sys\nsys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')"
+    return [sys.executable, "-c", f"{before}\n{run}\n{after}", str(script)]
+
+
 def run_without(module, script, *args, cwd):
     """Run a script as if `module` were not installed (its import fails)."""
-    code = (
-        f"import runpy, sys; sys.modules[{module!r}] = None; sys.argv = sys.argv[1:]; "
-        "runpy.run_path(sys.argv[0], run_name='__main__')"
-    )
     return subprocess.run(
-        [sys.executable, "-c", code, str(script), *map(str, args)],
+        [*script_command(script, before=f"import sys; sys.modules[{module!r}] = None"), *map(str, args)],
         cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"},
         capture_output=True, text=True, timeout=600,
     )

@@ -16,7 +16,7 @@ import pytest
 import torch
 import tyro
 
-from conftest import TINY, family, is_lean, load_script, main_in_process, run_script, scripts
+from conftest import TINY, family, is_lean, load_script, main_in_process, run_script, script_command, scripts
 
 ALL = scripts("*.py")
 PLAIN = [s for s in ALL if not is_lean(s)]
@@ -157,15 +157,11 @@ def start_long_run(script, workdir, *extra, before=None):
     tiny = TINY[family(script)]
     i = tiny.index("--total-timesteps")
     argv = [*tiny[:i], *tiny[i + 2 :], *map(str, extra)]
-    if before:
-        run = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
-        argv = ["-c", f"{before}\n{run}", str(script), *argv]
-    else:
-        argv = [str(script), *argv]
+    command = script_command(script, before=before) if before else [sys.executable, str(script)]
     # A shell without job control starts background jobs with SIGINT ignored: give the script the
     # default disposition, as in a terminal.
     return subprocess.Popen(
-        [sys.executable, *argv], cwd=workdir,
+        [*command, *argv], cwd=workdir,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),

@@ -4,13 +4,12 @@ evaluation, and offline tracking. Signals and bad input are in test_faults.py.""
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import TINY, family, is_lean, load_script, run_script, scripts
+from conftest import TINY, family, is_lean, load_script, run_script, script_command, scripts
 
 ALL = scripts("*.py")
 PLAIN = [s for s in ALL if not is_lean(s)]
@@ -78,13 +77,8 @@ def test_track_offline_writes_a_local_run(script, workdir):
 @pytest.mark.parametrize("script", ALL, ids=lambda s: s.stem)
 def test_untracked_run_never_imports_wandb(script, workdir):
     """Without --track nothing touches wandb: the script never imports it."""
-    code = (
-        "import runpy, sys; sys.argv = sys.argv[1:]; "
-        "runpy.run_path(sys.argv[0], run_name='__main__'); "
-        "assert 'wandb' not in sys.modules, 'wandb was imported'"
-    )
     proc = subprocess.run(
-        [sys.executable, "-c", code, str(script), *TINY[family(script)]],
+        [*script_command(script, after="assert 'wandb' not in sys.modules, 'wandb was imported'"), *TINY[family(script)]],
         cwd=workdir, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
