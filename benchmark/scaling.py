@@ -22,6 +22,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 SEEDS = [(f"{n} seeds", [], ["--num-seeds", str(n)]) for n in (1, 8)] + [("8 seeds, 2 threads", [], ["--num-seeds", "8", "--threads", "2"])]
 CASES = {
     "dqn --num-seeds": ("dqn", ["--compile", "--learning-starts", "1000", "--total-timesteps", "12000"], SEEDS),
+    "pqn --num-seeds": ("pqn", ["--compile", "--total-timesteps", "51200"], SEEDS),
     "ppo_continuous_action --num-seeds": ("ppo_continuous_action", ["--compile", "--total-timesteps", "8192"], SEEDS),
     "ppo_atari_envpool --num-seeds": ("ppo_atari_envpool", ["--compile", "--total-timesteps", "8192"],
                                       [(f"{n} seeds", [], ["--num-seeds", str(n)]) for n in (1, 4)]),

@@ -13,6 +13,12 @@ points.
     python leanrl/pqn_torchcompile.py
     python leanrl/pqn_torchcompile.py --compile
     python leanrl/pqn_torchcompile.py --compile --cudagraphs
+
+`--num-seeds N` trains N independent agents (seeds seed ... seed+N-1) in one process: their
+weights and RAdam states stacked on a leading seed dimension, so that acting and the update are
+one batched call for all of them, each agent on its own slice of one vector env, with its own
+minibatches and its own gradient clipping. Seed k is not bit-identical to a single run of seed+k:
+the agents share one stream of random numbers for exploration and minibatches.
 """
 
 import importlib.util
@@ -25,7 +31,7 @@ import signal
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import gymnasium as gym
 import numpy as np
@@ -34,6 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import tqdm
 import tyro
+from tensordict import from_module
 from tensordict.nn import CudaGraphModule
 from torch.optim.radam import radam
 
@@ -63,6 +70,8 @@ class Args:
     """path of a checkpoint to start from (with `--total-timesteps 0`: evaluate it only)"""
     eval_episodes: int = 0
     """episodes of the greedy policy to run after training (0: none)"""
+    num_seeds: int = 1
+    """independent agents trained at once, seeds `seed` to `seed + num-seeds - 1` (`total-timesteps` each)"""
 
     # algorithm
     env_id: str = "CartPole-v1"
@@ -168,6 +177,12 @@ def make_envs(args, run_name, num_envs, capture_video=False):
     return envs
 
 
+def seed_slice(infos, k, num_envs):
+    """Seed k's share of a vector env's infos: the values of its sub-envs, k * num_envs onwards."""
+    part = slice(k * num_envs, (k + 1) * num_envs)
+    return {key: seed_slice(value, k, num_envs) if isinstance(value, dict) else value[part] for key, value in infos.items()}
+
+
 def linear_schedule(start_e: float, end_e: float, duration: float, t: int) -> float:
     """Epsilon at step t: from start_e to end_e linearly over `duration` steps, then flat."""
     if duration <= 0:
@@ -199,6 +214,27 @@ class QNetwork(nn.Module):
 
     def forward(self, x):
         return self.network(x)
+
+
+def stack_seeds(networks):
+    """The networks' parameters stacked on a leading seed dimension, as flat names -> tensors.
+    Each network's parameters become views of its slice, so that it acts, evaluates and saves
+    (a state_dict the single-seed script loads) with its seed's current weights."""
+    stacked = torch.stack([from_module(net).data for net in networks]).contiguous()
+    for k, net in enumerate(networks):
+        stacked[k].to_module(net)
+    return stacked.flatten_keys(".")
+
+
+def seeds_q_values(params, x):
+    """QNetwork.forward for all seeds at once: x [seeds, rows, n_obs] -> [seeds, rows, n_act],
+    one batched matmul per layer over the stacked weights of `stack_seeds`, and each seed's
+    LayerNorm scale and shift."""
+    for linear, norm in (("network.0", "network.1"), ("network.3", "network.4")):
+        x = torch.baddbmm(params[f"{linear}.bias"].unsqueeze(1), x, params[f"{linear}.weight"].mT)
+        x = F.layer_norm(x, x.shape[-1:], eps=1e-5)  # nn.LayerNorm's eps
+        x = torch.addcmul(params[f"{norm}.bias"].unsqueeze(1), x, params[f"{norm}.weight"].unsqueeze(1)).relu()
+    return torch.baddbmm(params["network.6.bias"].unsqueeze(1), x, params["network.6.weight"].mT)
 
 
 class RAdam:
@@ -263,6 +299,16 @@ def make_policy(q_network):
     return policy
 
 
+def make_seeds_policy(params, num_seeds):
+    """make_policy for stacked seeds: observations [seeds * envs, n_obs], seed k's envs in block k."""
+
+    def policy(obs, explore, random_actions):
+        value, greedy = seeds_q_values(params, obs.view(num_seeds, -1, obs.shape[-1])).max(dim=2)
+        return torch.where(explore, random_actions, greedy.flatten()), value.flatten()
+
+    return policy
+
+
 def make_returns(gamma, q_lambda):
     """Q(lambda) returns over a rollout of shape (num_steps, num_envs), the plain script's loop on
     whole rows: G[t] = r[t] + gamma (1 - done[t]) ((1 - l) Q[t] + l G[t + 1]), with Q[t] max Q of
@@ -303,6 +349,31 @@ def make_update(q_network, optimizer, max_grad_norm):
         clip = (max_grad_norm / (grad_norm + 1e-6)).clamp(max=1.0)
         optimizer.step({name: g * clip for name, g in grads.items()})
         return torch.stack([loss, old_val.mean()]).detach()
+
+    return update
+
+
+def make_seeds_update(optimizer, max_grad_norm, num_seeds):
+    """make_update for stacked seeds, one graph for all: obs, actions and returns are
+    [seeds, batch, ...], `idx` [seeds, minibatch] holds each seed's own rows. The sum of the
+    seeds' losses is differentiated: seed k's part of its gradient is its own loss's gradient;
+    each seed's gradient is clipped by its own norm, and RAdam is elementwise, so one step over
+    the stack is num_seeds independent steps. Returns the metrics as one [len(METRICS), seeds]
+    tensor."""
+    seeds = torch.arange(num_seeds, device=next(iter(optimizer.params.values())).device).unsqueeze(1)
+
+    def td_loss(params, obs, actions, returns):
+        old_val = seeds_q_values(params, obs).gather(2, actions.unsqueeze(2)).squeeze(2)
+        losses = (returns - old_val).square().mean(dim=1)
+        return losses.sum(), (losses, old_val)
+
+    def update(obs, actions, returns, idx):
+        grads, (_, (losses, old_val)) = torch.func.grad_and_value(td_loss, has_aux=True)(optimizer.params, obs[seeds, idx], actions[seeds, idx], returns[seeds, idx])
+        # nn.utils.clip_grad_norm_ per seed: the norm over each seed's slices of the gradients
+        grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.flatten(1), dim=1) for g in grads.values()]), dim=0)
+        clip = (max_grad_norm / (grad_norm + 1e-6)).clamp(max=1.0)
+        optimizer.step({name: g * clip.view(-1, *[1] * (g.dim() - 1)) for name, g in grads.items()})
+        return torch.stack([losses, old_val.mean(dim=1)]).detach()
 
     return update
 
@@ -645,13 +716,9 @@ def main(args: Args):
     if not 0 <= args.q_lambda <= 1:
         fail(f"--q-lambda {args.q_lambda} is out of range: use a number in [0, 1]")
     minibatch_size = batch_size // args.num_minibatches
-    num_iterations = args.total_timesteps // batch_size
-    run = Run(args, num_iterations * batch_size)
-
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
+    num_seeds, num_iterations = args.num_seeds, args.total_timesteps // batch_size
+    if args.seed + num_seeds > 2**32:
+        fail(f"--seed {args.seed} + --num-seeds {num_seeds} passes 2**32: use a smaller seed")
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     if device.type == "cpu":
         # One intra-op thread unless --threads says more (2-core CPU, --compile, steps/s with 1
@@ -660,11 +727,28 @@ def main(args: Args):
         # 1,541, Atari PQN 177 and 110, Atari PPO 299 and 168. More threads pay only for the Atari
         # convolutions on an idle machine, and stall every script beside anything else.
         torch.set_num_threads(args.threads)
+    if num_seeds > 1:
+        # One line before num_seeds x num_envs envs are made: per step of a sub-env, float32 obs
+        # (three copies), values, rewards, dones and returns, an int64 action and a row of the
+        # returns' triangular solve; 16 KiB per sub-env (a CartPole: about 9 KiB).
+        probe = make_envs(args, "probe", 1)
+        row_bytes = 12 * math.prod(probe.single_observation_space.shape) + 24 + 4 * args.num_steps
+        probe.close()
+        check_memory(num_seeds * args.num_envs * (args.num_steps * row_bytes + 2**14), device, f"--num-seeds {num_seeds} with --num-envs {args.num_envs}")
+    run = Run(args, num_iterations * batch_size)
+    runs = [run] + [Run(replace(args, seed=args.seed + k), run.total_steps, lead=run) for k in range(1, num_seeds)]
+
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
     cudagraphs = args.cudagraphs and device.type == "cuda"
     if args.cudagraphs and not cudagraphs:
         print("notice: --cudagraphs needs a CUDA device; running without CUDA graphs", file=sys.stderr)
 
-    envs = make_envs(args, run.name, args.num_envs, args.capture_video)
+    # Sub-env k * num_envs + i is env i of seed k.
+    sub_envs = num_seeds * args.num_envs
+    envs = make_envs(args, run.name, sub_envs, args.capture_video)
     n_obs = math.prod(envs.single_observation_space.shape)
     n_act = int(envs.single_action_space.n)
 
@@ -673,19 +757,37 @@ def main(args: Args):
         load_checkpoint(args.load_model, {"q_network": q_network}, args.env_id)
     # The learning rate is a tensor annealed in place, so annealing never recompiles the update.
     lr = torch.tensor(args.learning_rate, device=device)
-    optimizer = RAdam(q_network.named_parameters(), lr, capturable=args.compile or device.type == "cuda")
+    capturable, q_networks = args.compile or device.type == "cuda", [q_network]
+    if num_seeds == 1:
+        optimizer = RAdam(q_network.named_parameters(), lr, capturable=capturable)
+        policy = make_policy(q_network)
+        update = make_update(q_network, optimizer, args.max_grad_norm)
+    else:
+        for k in range(1, num_seeds):
+            # Seed k starts from the weights a single run of seed + k starts from.
+            torch.manual_seed(args.seed + k)
+            q_networks.append(QNetwork(n_obs, n_act, device=device))
+            if args.load_model:
+                load_checkpoint(args.load_model, {"q_network": q_networks[k]}, args.env_id)
+        q_params = stack_seeds(q_networks)
+        optimizer = RAdam(q_params.items(), lr, capturable=capturable)
+        policy = make_seeds_policy(dict(q_params.items()), num_seeds)
+        update = make_seeds_update(optimizer, args.max_grad_norm, num_seeds)
+
+    def by_seed(x):
+        """[num_steps, seeds * envs, ...] -> [seeds, num_steps * envs, ...]: each seed's rollout
+        flattened as a single run flattens its own."""
+        return x.view(args.num_steps, num_seeds, args.num_envs, *x.shape[2:]).transpose(0, 1).reshape(num_seeds, batch_size, *x.shape[2:])
 
     # The rollout: host arrays for what the envs return (one copy per field per rollout to the
     # device), device tensors for what the policy returns.
-    steps_envs = (args.num_steps, args.num_envs)
+    steps_envs = (args.num_steps, sub_envs)
     stage = {"obs": np.zeros((*steps_envs, n_obs), np.float32), **{k: np.zeros(steps_envs, np.float32) for k in ("rewards", "dones")}}
     storage = {k: torch.empty(v.shape, device=device) for k, v in stage.items()}
     storage["actions"] = torch.empty(steps_envs, dtype=torch.long, device=device)
     storage["values"] = torch.empty(steps_envs, device=device)
 
-    policy = make_policy(q_network)
     returns_fn = make_returns(args.gamma, args.q_lambda)
-    update = make_update(q_network, optimizer, args.max_grad_norm)
     # What --compile compiles (2-core CPU, torch 2.13, one thread, CartPole, best of 7 runs):
     # - update: 1447 us eager, 331 us compiled per minibatch of 128 (one graph of C++ kernels
     #   around 6 matmuls; the eager RAdam alone is 353 us of Python over six tensors). On a CPU
@@ -706,8 +808,9 @@ def main(args: Args):
 
     global_step = updates = 0
     epsilon_value, lr_now = args.start_e, args.learning_rate
-    obs, _ = envs.reset(seed=args.seed)
-    obs = obs.reshape(args.num_envs, n_obs).astype(np.float32, copy=False)
+    # Env i of seed k gets the env seed a single run of seed + k gives it.
+    obs, _ = envs.reset(seed=[args.seed + k + i for k in range(num_seeds) for i in range(args.num_envs)])
+    obs = obs.reshape(sub_envs, n_obs).astype(np.float32, copy=False)
     try:
         # Gradients come from torch.func inside the update, which this context does not reach.
         with torch.no_grad():
@@ -720,7 +823,7 @@ def main(args: Args):
                 # Each step's epsilon is the schedule's after counting that step's env steps.
                 epsilons = [linear_schedule(args.start_e, args.end_e, args.exploration_fraction * args.total_timesteps, global_step + args.num_envs * (t + 1))
                             for t in range(args.num_steps)]
-                explore, random_actions = draw_exploration(epsilons, args.num_envs, n_act, device)
+                explore, random_actions = draw_exploration(epsilons, sub_envs, n_act, device)
                 epsilon_value = epsilons[-1]
                 # Inference mode drops the autograd bookkeeping of every op: rollouts 2-22% faster
                 # on a CPU (3 interleaved 50k-step runs). Not under CUDA graphs (untested there).
@@ -737,8 +840,12 @@ def main(args: Args):
                         next_obs, reward, termination, truncation, infos = envs.step(action.cpu().numpy())
                         stage["rewards"][step] = reward
                         stage["dones"][step] = termination | truncation  # a time limit ends the return too
-                        run.episodes(global_step, infos)
-                        obs = next_obs.reshape(args.num_envs, n_obs).astype(np.float32, copy=False)
+                        if num_seeds == 1:
+                            run.episodes(global_step, infos)
+                        elif "final_info" in infos:
+                            for k, seed_run in enumerate(runs):
+                                seed_run.episodes(global_step, seed_slice(infos["final_info"], k, args.num_envs))
+                        obs = next_obs.reshape(sub_envs, n_obs).astype(np.float32, copy=False)
 
                 if cudagraphs:
                     torch.compiler.cudagraph_mark_step_begin()
@@ -749,9 +856,14 @@ def main(args: Args):
                     storage[key].copy_(torch.from_numpy(staged))
                 returns = returns_fn(storage["rewards"], storage["values"], next_value, storage["dones"])
 
-                batch = (storage["obs"].view(batch_size, n_obs), storage["actions"].view(batch_size), returns.view(batch_size))
+                if num_seeds == 1:
+                    batch = (storage["obs"].view(batch_size, n_obs), storage["actions"].view(batch_size), returns.view(batch_size))
+                else:
+                    batch = (by_seed(storage["obs"]), by_seed(storage["actions"]), by_seed(returns))
                 for epoch in range(args.update_epochs):
-                    for idx in torch.randperm(batch_size, device=device).split(minibatch_size):
+                    # With several seeds, each its own order of its own rows.
+                    order = torch.randperm(batch_size, device=device) if num_seeds == 1 else torch.rand(num_seeds, batch_size, device=device).argsort(dim=1)
+                    for idx in order.split(minibatch_size, dim=-1):
                         if cudagraphs:
                             torch.compiler.cudagraph_mark_step_begin()
                         # The graphed output is overwritten by the next call; only the latest is read.
@@ -760,16 +872,22 @@ def main(args: Args):
 
                 # As CleanRL: the last minibatch's loss and Q-values.
                 # note: the loop's only host sync is here, once per iteration
-                stats = dict(zip(METRICS, metrics.tolist()))
-                if not math.isfinite(stats["losses/td_loss"]):
-                    run.stop_reason = f"non-finite td_loss {stats['losses/td_loss']} at step {global_step}"
+                seed_stats = [dict(zip(METRICS, values)) for values in metrics.view(len(METRICS), -1).T.tolist()]
+                diverged = [k for k, stats in enumerate(seed_stats) if not math.isfinite(stats["losses/td_loss"])]
+                if diverged:
+                    k, which = diverged[0], f" (seed {args.seed + diverged[0]})" if num_seeds > 1 else ""
+                    for seed_run in runs:
+                        seed_run.stop_reason = f"non-finite td_loss {seed_stats[k]['losses/td_loss']} at step {global_step}{which}"
                     break
-                metrics = {"charts/learning_rate": lr_now, **stats, "charts/epsilon": epsilon_value}
-                run.log(global_step, updates, metrics, {"q_network": q_network})
+                for seed_run, stats, net in zip(runs, seed_stats, q_networks):
+                    seed_run.log(global_step, updates, {"charts/learning_rate": lr_now, **stats, "charts/epsilon": epsilon_value}, {"q_network": net})
     except KeyboardInterrupt:
-        run.interrupted = run.interrupted or signal.SIGINT
+        for seed_run in runs:
+            seed_run.interrupted = run.interrupted or signal.SIGINT
     envs.close()
-    run.finish(global_step, updates, {"q_network": q_network}, lambda: evaluate(q_network, args, run.name, device), device=device.type, cudagraphs=cudagraphs)
+    # The lead finishes last: its summary reports every seed.
+    for seed_run, net in reversed(list(zip(runs, q_networks))):
+        seed_run.finish(global_step, updates, {"q_network": net}, lambda: evaluate(net, seed_run.args, seed_run.name, device), device=device.type, cudagraphs=cudagraphs)
 
 
 if __name__ == "__main__":

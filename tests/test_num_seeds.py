@@ -1,7 +1,7 @@
-"""`--num-seeds N` in the lean DQN, PPO continuous and PPO Atari scripts: the stacked update
-against N single-seed updates (eager and compiled), independence of the seeds, the stacked
+"""`--num-seeds N` in the lean DQN, PQN, PPO continuous and PPO Atari scripts: the stacked
+update against N single-seed updates (eager and compiled), independence of the seeds, the stacked
 policy, smoke runs with their folders, checkpoints and wandb runs, bad input, and every seed
-learning (DQN on CartPole, PPO on InvertedPendulum; none on Atari, too slow here)."""
+learning (DQN and PQN on CartPole, PPO on InvertedPendulum; none on Atari, too slow here)."""
 
 import copy
 import csv
@@ -526,11 +526,198 @@ def test_ppo_changing_one_seed_changes_no_other_seed(script, change, request):
     assert not torch.equal(after[:, 1], before[:, 1])
 
 
+# ---------------------------------------------------------------- PQN
+
+PQN_PATH = scripts("pqn_torchcompile.py")[0]
+Q_BATCH, Q_MINIBATCH, Q_CLIP = 64, 16, 20.0  # --max-grad-norm: between the case's gradient norms
+
+
+@pytest.fixture(scope="module")
+def pqn():
+    return load_script(PQN_PATH)
+
+
+def pqn_case(pqn, seed=0):
+    """N Q-networks, N rollouts (obs, actions, Q(lambda) returns) [batch, ...] and 4 minibatch
+    index sets [N, minibatch]. The seeds' returns have other scales, so that their gradient norms
+    fall either side of Q_CLIP: clipping by a norm shared across seeds would show."""
+    torch.manual_seed(seed)
+    nets = [pqn.QNetwork(N_OBS, N_ACT) for _ in range(N)]
+    rollouts = [(torch.randn(Q_BATCH, N_OBS), torch.randint(0, N_ACT, (Q_BATCH,)), torch.randn(Q_BATCH) * scale + shift)
+                for scale, shift in ((0.1, 0.0), (10.0, 2.0), (1.0, 2.0))]
+    idx = [torch.stack([torch.randperm(Q_BATCH)[:Q_MINIBATCH] for _ in range(N)]) for _ in range(4)]
+    return nets, rollouts, idx
+
+
+def pqn_updates(pqn, compiled=False, change=None):
+    """The --num-seeds update over copies of the case's networks (stacked parameters, one RAdam),
+    and per seed today's single-seed update over another copy: `(seed_nets, update, batch)` and
+    `[(net, update)]`. `change`: seed 1's minibatch indices, rollout or parameters changed."""
+    nets, rollouts, idx = pqn_case(pqn)
+    if change == "params":
+        nets[1].network[0].weight.data.mul_(1.5)
+    if change == "data":
+        rollouts[1] = (rollouts[1][0], rollouts[1][1], rollouts[1][2] + 1.0)
+    if change == "batch":
+        idx = [torch.cat([i[:1], i[1:2].flip(1) // 2, i[2:]]) for i in idx]
+
+    def compile_(update):
+        return torch.compile(update, fullgraph=True, options={"guard_filter_fn": pqn.value_guards, "cpp_wrapper": True}) if compiled else update
+
+    seed_nets = copy.deepcopy(nets)
+    params = pqn.stack_seeds(seed_nets)
+    stacked = pqn.make_seeds_update(pqn.RAdam(params.items(), torch.tensor(2.5e-4), capturable=compiled), Q_CLIP, N)
+    singles = []
+    for net in copy.deepcopy(nets):
+        singles.append((net, compile_(pqn.make_update(net, pqn.RAdam(net.named_parameters(), torch.tensor(2.5e-4), capturable=compiled), Q_CLIP))))
+    batch = tuple(torch.stack(fields) for fields in zip(*rollouts))
+    return nets, rollouts, idx, (seed_nets, compile_(stacked), batch), singles
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_pqn_stacked_update_is_n_single_updates(pqn, compiled):
+    """N=3 stacked Q-networks (one RAdam step, each seed's gradient clipped by its own norm)
+    against 3 single-seed updates from the same parameters, on the same minibatches each.
+    Tolerance rtol 1e-5 / atol 1e-6: float32 summed in another order."""
+    nets, rollouts, idx, (seed_nets, update, batch), singles = pqn_updates(pqn, compiled)
+    norms = []  # the first step's gradient norms: the clipping bites for some seeds and not for others
+    for k, (net, (obs, actions, returns)) in enumerate(zip(nets, rollouts)):
+        rows = idx[0][k]
+        torch.nn.functional.mse_loss(returns[rows], net(obs[rows]).gather(1, actions[rows, None]).squeeze(1)).backward()
+        norms.append(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in net.parameters()])).item())
+    assert min(norms) < Q_CLIP < max(norms), norms
+    for step_idx in idx:
+        metrics = update(*batch, step_idx)
+        assert metrics.shape == (len(pqn.METRICS), N)
+        for k, (net, single_update) in enumerate(singles):
+            torch.testing.assert_close(metrics[:, k], single_update(*rollouts[k], step_idx[k]), rtol=1e-5, atol=1e-6)
+            for name, value in net.state_dict().items():
+                torch.testing.assert_close(seed_nets[k].state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=f"seed {k} {name}")
+    assert not torch.equal(seed_nets[0].network[0].weight, nets[0].network[0].weight)
+
+
+@pytest.mark.parametrize("change", ["batch", "data", "params"])
+def test_pqn_changing_one_seed_changes_no_other_seed(pqn, change):
+    """Seed 1's minibatch indices, its rollout or its parameters changed: seeds 0 and 2 update
+    exactly as before (bit for bit), and seed 1 differently."""
+    results = []
+    for changed in (None, change):
+        _, _, idx, (seed_nets, update, batch), _ = pqn_updates(pqn, change=changed)
+        metrics = torch.stack([update(*batch, i) for i in idx])
+        results.append((metrics, [from_module(net).data.clone() for net in seed_nets]))
+    (before, nets_before), (after, nets_after) = results
+    for k in (0, 2):
+        torch.testing.assert_close(after[:, :, k], before[:, :, k], rtol=0, atol=0)
+        torch.testing.assert_close(nets_after[k], nets_before[k], rtol=0, atol=0)
+    assert not torch.equal(after[:, :, 1], before[:, :, 1])
+
+
+def test_pqn_stacked_policy_acts_as_each_seeds_network(pqn):
+    """Sub-env block k gets max Q under seed k's network, and its greedy action where it does not
+    explore, the drawn random action where it does. Tolerance: torch's float32 default (batched
+    matmuls, LayerNorm's scale and shift applied apart)."""
+    nets, _, _ = pqn_case(pqn)
+    policy = pqn.make_seeds_policy(dict(pqn.stack_seeds(nets).items()), N)
+    obs = torch.randn(N * 64, N_OBS)
+    explore, random_actions = torch.rand(N * 64) < 0.3, torch.randint(0, N_ACT, (N * 64,))
+    with torch.no_grad():
+        action, value = policy(obs, explore, random_actions)
+        q = torch.cat([net(block) for net, block in zip(nets, obs.view(N, 64, N_OBS))])
+    torch.testing.assert_close(value, q.max(dim=1).values)
+    torch.testing.assert_close(action, torch.where(explore, random_actions, q.argmax(dim=1)), rtol=0, atol=0)
+    assert explore.any() and not explore.all()
+
+
+def test_pqn_each_seed_learns_from_its_own_sub_envs(pqn, tmp_path, monkeypatch):
+    """With 2 seeds of 2 envs, row k of the update's first batch holds sub-envs 2k and 2k + 1,
+    step by step: their observations and the actions taken in them."""
+    observations, actions, batches = [], [], []
+    reset, step, make_seeds_update = pqn.SameStepEnvs.reset, pqn.SameStepEnvs.step, pqn.make_seeds_update
+
+    def recording_reset(self, **kwargs):
+        obs, infos = reset(self, **kwargs)
+        observations.append(obs.copy())
+        return obs, infos
+
+    def recording_step(self, chosen):
+        out = step(self, chosen)
+        actions.append(np.array(chosen))
+        observations.append(out[0].copy())
+        return out
+
+    def recording_make_seeds_update(*args):
+        update = make_seeds_update(*args)
+
+        def wrapped(*batch_and_idx):
+            batches.append([t.clone() for t in batch_and_idx[:-1]])
+            return update(*batch_and_idx)
+
+        return wrapped
+
+    monkeypatch.setattr(pqn.SameStepEnvs, "reset", recording_reset)
+    monkeypatch.setattr(pqn.SameStepEnvs, "step", recording_step)
+    monkeypatch.setattr(pqn, "make_seeds_update", recording_make_seeds_update)
+    assert main_in_process(pqn, "--num-seeds", 2, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
+    obs, acts = batches[0][0], batches[0][1]
+    assert obs.shape == (2, 128, 4) and acts.shape == (2, 128)
+    for t in range(64):
+        for k in range(2):
+            for i in range(2):
+                np.testing.assert_array_equal(obs[k, t * 2 + i].numpy(), observations[t][k * 2 + i])
+                assert acts[k, t * 2 + i] == actions[t][k * 2 + i]
+    assert not torch.equal(obs[0], obs[1])
+
+
+@pytest.mark.parametrize("mode", [[], ["--compile"]], ids=["eager", "compile"])
+def test_pqn_two_seeds_run_with_a_folder_each(mode, workdir):
+    summary, _ = run_script(PQN_PATH, *TINY["pqn"], *mode, "--num-seeds", 2, "--seed", 5, "--eval-episodes", 1, cwd=workdir)
+    assert summary["num_seeds"] == 2 and summary["updates"] == 16 and summary["total_steps"] == 512
+    assert None not in summary["episodic_returns"] and None not in summary["eval_returns"]
+    assert summary["episodic_return"] == pytest.approx(sum(summary["episodic_returns"]) / 2, abs=1e-3)
+    assert summary["eval_return"] == pytest.approx(sum(summary["eval_returns"]) / 2, abs=1e-3)
+    dirs = seed_dirs(workdir)
+    assert [d.name.split("__")[2] for d in dirs] == ["5", "6"]
+    for d in dirs:
+        rows = list(csv.DictReader(open(d / "curve.csv")))
+        assert rows and int(rows[-1]["step"]) == 512, d
+
+
+def test_pqn_seed_checkpoint_loads_into_the_single_seed_script(workdir):
+    """Seed 6's checkpoint, evaluated by the single-seed script as seed 6 (the same evaluation env
+    seed), gives the return the two-seed run reported for it: the same greedy network."""
+    summary, _ = run_script(PQN_PATH, *TINY["pqn"], "--num-seeds", 2, "--seed", 5, "--save-model", "--eval-episodes", 2, cwd=workdir)
+    checkpoints = [next(d.glob("*.pt")) for d in seed_dirs(workdir)]
+    assert str(checkpoints[0]).endswith(summary["checkpoint"])
+    saved = [torch.load(c, weights_only=True) for c in checkpoints]
+    assert saved[1]["args"]["seed"] == 6 and set(saved[1]["model"]) == {"q_network"}
+    # Each seed's own weights, not a view of both seeds' storage.
+    assert saved[1]["model"]["q_network"]["network.0.weight"].shape == (120, 4)
+    assert not torch.equal(saved[0]["model"]["q_network"]["network.0.weight"], saved[1]["model"]["q_network"]["network.0.weight"])
+    loaded, _ = run_script(PQN_PATH, "--load-model", checkpoints[1], "--total-timesteps", 0, "--eval-episodes", 2, "--seed", 6, cwd=workdir)
+    assert loaded["num_seeds"] == 1 and "episodic_returns" not in loaded
+    assert loaded["eval_return"] == summary["eval_returns"][1]
+
+
+def test_pqn_a_diverged_seed_stops_the_run_with_finite_checkpoints(workdir):
+    """A learning rate of 1e30: exit 1 after the summary, one error line naming the seed and the
+    step, and no checkpoint of non-finite weights."""
+    summary, proc = run_script(PQN_PATH, *TINY["pqn"], "--num-seeds", 2, "--learning-rate", 1e30, "--save-model", cwd=workdir, check=False)
+    assert proc.returncode == 1 and summary["num_seeds"] == 2
+    assert_one_line_error(proc, "non-finite td_loss", "(seed ")
+    for d in seed_dirs(workdir):
+        for path in d.glob("*.pt"):
+            weights = torch.load(path, weights_only=True)["model"]["q_network"]
+            assert all(torch.isfinite(t).all() for t in weights.values())
+
+
 # ---------------------------------------------------------------- bad input
 
 BAD = {
     "dqn-zero": (PATH, ["--num-seeds", 0], ["--num-seeds", "1 or more"]),
     "dqn-no-memory": (PATH, ["--num-seeds", 4, "--buffer-size", 10**12], ["--num-seeds 4", "GiB"]),
+    "pqn-zero": (PQN_PATH, ["--num-seeds", 0], ["--num-seeds", "1 or more"]),
+    "pqn-seed-overflow": (PQN_PATH, ["--num-seeds", 2, "--seed", 2**32 - 1], ["--num-seeds 2", "2**32"]),
+    "pqn-no-memory": (PQN_PATH, ["--num-seeds", 10**6], ["--num-seeds 1000000", "GiB"]),
     "ppo-target-kl": (PPO_PATH, ["--num-seeds", 2, "--target-kl", 0.01], ["--target-kl", "--num-seeds 1"]),
     "ppo-no-memory": (PPO_PATH, ["--num-seeds", 10**6], ["--num-seeds 1000000", "GiB"]),
     "atari-zero": (ATARI_PATH, ["--num-seeds", 0], ["--num-seeds", "1 or more"]),
@@ -555,15 +742,18 @@ LEARNS = {
     "dqn-cartpole": (PATH, [*LEARNING, "--compile"], 30_000, LEARNING_THRESHOLD),
     "ppo-inverted-pendulum": (PPO_PATH, ["--env-id", "InvertedPendulum-v5", "--total-timesteps", 40960, "--num-steps", 1024,
                                          "--seed", 1, "--compile"], 40_960, PPO_THRESHOLD),
+    # PQN: CleanRL's full budget; 200 (a random policy gets about 22) and not the single-seed
+    # test's 475: of 180 single lean runs (benchmark/learning), 21 end below 475 and 2 below 200.
+    "pqn-cartpole": (PQN_PATH, ["--seed", 1, "--compile"], 499_712, 200.0),
 }
 
 
 @pytest.mark.learning
 @pytest.mark.parametrize("task", LEARNS)
 def test_every_seed_of_four_learns(task, workdir):
-    """Each of 4 seeds, trained at once, reaches the single-seed learning test's threshold on the
-    same budget per seed (seen: DQN 187.6, 211.8, 231.2, 224.3 against 100; PPO 1000, 977.2,
-    1000, 1000 against 500)."""
+    """Each of 4 seeds, trained at once, reaches a learning threshold on the single-seed learning
+    test's budget per seed (seen: DQN 187.6, 211.8, 231.2, 224.3 against 100; PPO 1000, 977.2,
+    1000, 1000 against 500; PQN 500, 500, 500, 500 against 200)."""
     path, argv, steps, threshold = LEARNS[task]
     summary, _ = run_script(path, *argv, "--num-seeds", 4, cwd=workdir, timeout=1800)
     print("per-seed returns:", summary["episodic_returns"])
