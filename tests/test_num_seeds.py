@@ -194,15 +194,18 @@ def test_a_seeds_checkpoint_loads_into_the_single_seed_script(workdir):
     assert loaded["eval_return"] == summary["eval_returns"][1]
 
 
-def test_track_makes_one_wandb_run_per_seed(workdir):
-    summary, _ = run_script(PATH, *TINY["dqn"], "--num-seeds", 2, "--track", cwd=workdir, env={"WANDB_MODE": "offline"})
+@pytest.mark.parametrize("script", ["dqn", "pqn"])
+def test_track_makes_one_wandb_run_per_seed(script, workdir):
+    path = scripts(f"{script}_torchcompile.py")[0]
+    summary, _ = run_script(path, *TINY[script], "--num-seeds", 2, "--track", cwd=workdir, env={"WANDB_MODE": "offline"})
     assert summary["updates"] > 0
     assert len(list((Path(workdir) / "wandb").glob("offline-run-*"))) == 2
 
 
-def test_sigterm_saves_every_seed_and_prints_one_summary(workdir):
+@pytest.mark.parametrize("script", ["dqn", "pqn"])
+def test_sigterm_saves_every_seed_and_prints_one_summary(script, workdir):
     """SIGTERM mid-training: exit 143 with the summary, and a finite checkpoint for each seed."""
-    proc = start_long_run(PATH, workdir, "--total-timesteps", 10_000_000, "--num-seeds", 2, "--save-model")
+    proc = start_long_run(scripts(f"{script}_torchcompile.py")[0], workdir, "--total-timesteps", 10_000_000, "--num-seeds", 2, "--save-model")
     summary = stop_and_read(proc, signal.SIGTERM, wait_for(proc, "sps="))
     assert summary["interrupted"] is True and summary["num_seeds"] == 2
     checkpoints = [list(d.glob("*.pt")) for d in seed_dirs(workdir)]
