@@ -91,6 +91,17 @@ def test_stacked_update_is_n_single_updates(lean, compiled):
                 torch.testing.assert_close(seed_nets[k].state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=f"seed {k} {name}")
 
 
+def assert_only_seed_one_moved(results, seed_dim):
+    """`results`: the metrics of some updates and each seed's parameters after them, without and
+    with a change to seed 1. Every other seed's are the same bit for bit; seed 1's metrics differ."""
+    (before, params_before), (after, params_after) = results
+    for k in range(len(params_before)):
+        if k != 1:
+            torch.testing.assert_close(after.select(seed_dim, k), before.select(seed_dim, k), rtol=0, atol=0)
+            torch.testing.assert_close(params_after[k], params_before[k], rtol=0, atol=0)
+    assert not torch.equal(after.select(seed_dim, 1), before.select(seed_dim, 1))
+
+
 @pytest.mark.parametrize("change", ["batch", "data", "params"])
 def test_changing_one_seed_changes_no_other_seed(lean, change):
     """Seed 1's batch indices, its stored transitions or its parameters changed: seeds 0 and 2
@@ -107,11 +118,7 @@ def test_changing_one_seed_changes_no_other_seed(lean, change):
         seed_nets, _, _, update = stacked(lean, nets, targets, storages)
         metrics = [update(idx.flatten()) for idx in batches]
         results.append((torch.stack(metrics), [from_module(net).data.clone() for net in seed_nets]))
-    (before, nets_before), (after, nets_after) = results
-    for k in (0, 2):
-        torch.testing.assert_close(after[:, :, k], before[:, :, k], rtol=0, atol=0)
-        torch.testing.assert_close(nets_after[k], nets_before[k], rtol=0, atol=0)
-    assert not torch.equal(after[:, :, 1], before[:, :, 1])
+    assert_only_seed_one_moved(results, seed_dim=2)
 
 
 def test_stacked_policy_acts_as_each_seeds_network(lean):
@@ -161,22 +168,6 @@ def test_each_seed_stores_its_own_sub_envs(lean, tmp_path, monkeypatch):
 
 def seed_dirs(workdir):
     return sorted((Path(workdir) / "runs").iterdir(), key=lambda d: int(d.name.split("__")[2]))
-
-
-@pytest.mark.parametrize("mode", [[], ["--compile"]], ids=["eager", "compile"])
-def test_two_seeds_run_with_a_folder_each(mode, workdir):
-    summary, _ = run_script(PATH, *TINY["dqn"], *mode, "--num-seeds", 2, "--seed", 5, "--eval-episodes", 1, cwd=workdir)
-    assert summary["num_seeds"] == 2 and summary["updates"] > 0 and summary["total_steps"] == 400
-    assert len(summary["episodic_returns"]) == len(summary["eval_returns"]) == 2
-    assert None not in summary["episodic_returns"] and None not in summary["eval_returns"]
-    assert summary["episodic_return"] == pytest.approx(sum(summary["episodic_returns"]) / 2, abs=1e-3)
-    assert summary["eval_return"] == pytest.approx(sum(summary["eval_returns"]) / 2, abs=1e-3)
-    dirs = seed_dirs(workdir)
-    assert [d.name.split("__")[2] for d in dirs] == ["5", "6"]
-    assert len({d.name.split("__")[3] for d in dirs}) == 1  # one time stamp for the group
-    for d in dirs:
-        rows = list(csv.DictReader(open(d / "curve.csv")))
-        assert rows and int(rows[-1]["step"]) == 400, d
 
 
 def test_a_seeds_checkpoint_loads_into_the_single_seed_script(workdir):
@@ -268,19 +259,6 @@ def test_ppo_stacked_policy_acts_with_each_seeds_agent(ppo):
             torch.testing.assert_close(logprob[rows], density)
 
 
-@pytest.mark.parametrize("mode", [[], ["--compile"]], ids=["eager", "compile"])
-def test_ppo_two_seeds_run_with_a_folder_each(mode, workdir):
-    summary, _ = run_script(PPO_PATH, *TINY["ppo_continuous_action"], *mode, "--num-seeds", 2, "--seed", 5, "--eval-episodes", 1, cwd=workdir)
-    assert summary["num_seeds"] == 2 and summary["updates"] == 16 and summary["total_steps"] == 256
-    assert None not in summary["episodic_returns"] and None not in summary["eval_returns"]
-    assert summary["episodic_return"] == pytest.approx(sum(summary["episodic_returns"]) / 2, abs=1e-3)
-    dirs = seed_dirs(workdir)
-    assert [d.name.split("__")[2] for d in dirs] == ["5", "6"]
-    for d in dirs:
-        rows = list(csv.DictReader(open(d / "curve.csv")))
-        assert rows and int(rows[-1]["step"]) == 256, d
-
-
 def test_ppo_seed_checkpoint_loads_into_the_single_seed_script(workdir):
     """Seed 6's checkpoint (its agent and its own envs' observation statistics), evaluated by the
     single-seed script as seed 6, gives the return the two-seed run reported for it."""
@@ -362,21 +340,23 @@ def test_ppo_atari_finished_games_go_to_their_seeds_run(atari):
     assert [atari.Run.finished(7, atari.seed_slice(infos, k, 2)) for k in range(2)] == [[(7, 2.0, 20)], [(7, 3.0, 30)]]
 
 
-def test_ppo_atari_each_seed_learns_from_its_own_sub_envs(atari, tmp_path, monkeypatch):
-    """With 2 seeds of 2 envs, row k of the update's first batch holds sub-envs 2k and 2k + 1,
-    step by step: their frames and the actions taken in them."""
-    frames, actions, batches = [], [], []
-    reset, step, make_update = atari.RecordEpisodeStatistics.reset, atari.RecordEpisodeStatistics.step, atari.make_update
+def record_rollouts(module, env_class, factory, monkeypatch):
+    """Patch `env_class`'s reset and step and the module's update factory `factory` so that a run
+    records what the envs return (the reset's observations, then each step's), the actions they
+    are given, and the batch (the arguments before the indices) of every update call. Returns the
+    three lists, filled as the run goes."""
+    observations, actions, batches = [], [], []
+    reset, step, make_update = env_class.reset, env_class.step, getattr(module, factory)
 
     def recording_reset(self, **kwargs):
         obs, infos = reset(self, **kwargs)
-        frames.append(obs.copy())
+        observations.append(obs.copy())
         return obs, infos
 
     def recording_step(self, chosen):
         out = step(self, chosen)
         actions.append(np.array(chosen))
-        frames.append(out[0].copy())
+        observations.append(out[0].copy())
         return out
 
     def recording_make_update(*args):
@@ -388,45 +368,38 @@ def test_ppo_atari_each_seed_learns_from_its_own_sub_envs(atari, tmp_path, monke
 
         return wrapped
 
-    monkeypatch.setattr(atari.RecordEpisodeStatistics, "reset", recording_reset)
-    monkeypatch.setattr(atari.RecordEpisodeStatistics, "step", recording_step)
-    monkeypatch.setattr(atari, "make_update", recording_make_update)
-    assert main_in_process(atari, "--num-seeds", 2, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
-    obs, acts = batches[0][0], batches[0][1]
-    assert obs.shape == (2, 32, 4, 84, 84) and acts.shape == (2, 32)
-    for t in range(16):
-        for k in range(2):
-            for i in range(2):
-                np.testing.assert_array_equal(obs[k, t * 2 + i].numpy(), frames[t][k * 2 + i])
-                assert acts[k, t * 2 + i] == actions[t][k * 2 + i]
+    monkeypatch.setattr(env_class, "reset", recording_reset)
+    monkeypatch.setattr(env_class, "step", recording_step)
+    monkeypatch.setattr(module, factory, recording_make_update)
+    return observations, actions, batches
+
+
+def assert_rows_hold_their_seeds_sub_envs(batch, observations, actions, num_steps, num_envs=2):
+    """Row k of a --num-seeds batch, flattened step by step, holds sub-envs k * num_envs + i: their
+    observations and the actions taken in them; and the seeds' rows differ."""
+    obs, acts = batch[0], batch[1]
+    for t in range(num_steps):
+        for k in range(len(obs)):
+            for i in range(num_envs):
+                np.testing.assert_array_equal(obs[k, t * num_envs + i].numpy(), observations[t][k * num_envs + i])
+                assert acts[k, t * num_envs + i] == actions[t][k * num_envs + i]
     assert not torch.equal(obs[0], obs[1])
 
 
-def atari_dirs_and_summary(workdir, *argv):
-    summary, _ = run_script(ATARI_PATH, *TINY["ppo_atari_envpool"], "--num-seeds", 2, "--seed", 5, *argv, cwd=workdir)
-    return seed_dirs(workdir), summary
-
-
-@pytest.mark.parametrize("mode", [[], ["--compile"]], ids=["eager", "compile"])
-def test_ppo_atari_two_seeds_run_with_a_folder_each(mode, workdir):
-    """2 seeds for 1,024 steps each (16 iterations of 2 envs x 32 steps), enough for a game to
-    end in each seed's envs, and a deterministic game of each after training."""
-    dirs, summary = atari_dirs_and_summary(workdir, *mode, "--total-timesteps", 1024, "--num-steps", 32, "--eval-episodes", 1)
-    assert summary["num_seeds"] == 2 and summary["updates"] == 64 and summary["total_steps"] == 1024
-    assert None not in summary["episodic_returns"] and None not in summary["eval_returns"], summary
-    assert summary["episodic_return"] == pytest.approx(sum(summary["episodic_returns"]) / 2, abs=1e-3)
-    assert summary["eval_return"] == pytest.approx(sum(summary["eval_returns"]) / 2, abs=1e-3)
-    assert [d.name.split("__")[2] for d in dirs] == ["5", "6"]
-    for d in dirs:
-        rows = list(csv.DictReader(open(d / "curve.csv")))
-        assert rows and int(rows[-1]["step"]) == 1024, d
+def test_ppo_atari_each_seed_learns_from_its_own_sub_envs(atari, tmp_path, monkeypatch):
+    """With 2 seeds of 2 envs, row k of the update's first batch holds sub-envs 2k and 2k + 1,
+    step by step: their frames and the actions taken in them."""
+    frames, actions, batches = record_rollouts(atari, atari.RecordEpisodeStatistics, "make_update", monkeypatch)
+    assert main_in_process(atari, "--num-seeds", 2, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
+    assert batches[0][0].shape == (2, 32, 4, 84, 84) and batches[0][1].shape == (2, 32)
+    assert_rows_hold_their_seeds_sub_envs(batches[0], frames, actions, num_steps=16)
 
 
 def test_ppo_atari_seed_checkpoint_loads_into_the_single_seed_script(workdir):
     """Seed 6's checkpoint (its own agent), evaluated by the single-seed script as seed 6 (the
     same evaluation env seed), gives the return the two-seed run reported for it."""
-    dirs, summary = atari_dirs_and_summary(workdir, "--save-model", "--eval-episodes", 1)
-    checkpoints = [next(d.glob("*.pt")) for d in dirs]
+    summary, _ = run_script(ATARI_PATH, *TINY["ppo_atari_envpool"], "--num-seeds", 2, "--seed", 5, "--save-model", "--eval-episodes", 1, cwd=workdir)
+    checkpoints = [next(d.glob("*.pt")) for d in seed_dirs(workdir)]
     assert str(checkpoints[0]).endswith(summary["checkpoint"])
     saved = [torch.load(c, weights_only=True) for c in checkpoints]
     assert saved[1]["args"]["seed"] == 6 and set(saved[1]["model"]) == {"agent"}
@@ -519,14 +492,10 @@ def test_ppo_changing_one_seed_changes_no_other_seed(script, change, request):
     updates exactly as before (bit for bit), and seed 1 differently."""
     results = []
     for changed in (None, change):
-        _, agents, _, idx, (seed_agents, update, batch), _ = ppo_updates(request, script, change=changed)
+        _, _, _, idx, (seed_agents, update, batch), _ = ppo_updates(request, script, change=changed)
         metrics = torch.stack([update(*batch, i) for i in idx])
         results.append((metrics, [from_module(a).data.clone() for a in seed_agents]))
-    (before, agents_before), (after, agents_after) = results
-    for k in (k for k in range(len(agents)) if k != 1):
-        torch.testing.assert_close(after[:, k], before[:, k], rtol=0, atol=0)
-        torch.testing.assert_close(agents_after[k], agents_before[k], rtol=0, atol=0)
-    assert not torch.equal(after[:, 1], before[:, 1])
+    assert_only_seed_one_moved(results, seed_dim=1)
 
 
 # ---------------------------------------------------------------- PQN
@@ -608,11 +577,7 @@ def test_pqn_changing_one_seed_changes_no_other_seed(pqn, change):
         _, _, idx, (seed_nets, update, batch), _ = pqn_updates(pqn, change=changed)
         metrics = torch.stack([update(*batch, i) for i in idx])
         results.append((metrics, [from_module(net).data.clone() for net in seed_nets]))
-    (before, nets_before), (after, nets_after) = results
-    for k in (0, 2):
-        torch.testing.assert_close(after[:, :, k], before[:, :, k], rtol=0, atol=0)
-        torch.testing.assert_close(nets_after[k], nets_before[k], rtol=0, atol=0)
-    assert not torch.equal(after[:, :, 1], before[:, :, 1])
+    assert_only_seed_one_moved(results, seed_dim=2)
 
 
 def test_pqn_stacked_policy_acts_as_each_seeds_network(pqn):
@@ -634,55 +599,10 @@ def test_pqn_stacked_policy_acts_as_each_seeds_network(pqn):
 def test_pqn_each_seed_learns_from_its_own_sub_envs(pqn, tmp_path, monkeypatch):
     """With 2 seeds of 2 envs, row k of the update's first batch holds sub-envs 2k and 2k + 1,
     step by step: their observations and the actions taken in them."""
-    observations, actions, batches = [], [], []
-    reset, step, make_seeds_update = pqn.SameStepEnvs.reset, pqn.SameStepEnvs.step, pqn.make_seeds_update
-
-    def recording_reset(self, **kwargs):
-        obs, infos = reset(self, **kwargs)
-        observations.append(obs.copy())
-        return obs, infos
-
-    def recording_step(self, chosen):
-        out = step(self, chosen)
-        actions.append(np.array(chosen))
-        observations.append(out[0].copy())
-        return out
-
-    def recording_make_seeds_update(*args):
-        update = make_seeds_update(*args)
-
-        def wrapped(*batch_and_idx):
-            batches.append([t.clone() for t in batch_and_idx[:-1]])
-            return update(*batch_and_idx)
-
-        return wrapped
-
-    monkeypatch.setattr(pqn.SameStepEnvs, "reset", recording_reset)
-    monkeypatch.setattr(pqn.SameStepEnvs, "step", recording_step)
-    monkeypatch.setattr(pqn, "make_seeds_update", recording_make_seeds_update)
+    observations, actions, batches = record_rollouts(pqn, pqn.SameStepEnvs, "make_seeds_update", monkeypatch)
     assert main_in_process(pqn, "--num-seeds", 2, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
-    obs, acts = batches[0][0], batches[0][1]
-    assert obs.shape == (2, 128, 4) and acts.shape == (2, 128)
-    for t in range(64):
-        for k in range(2):
-            for i in range(2):
-                np.testing.assert_array_equal(obs[k, t * 2 + i].numpy(), observations[t][k * 2 + i])
-                assert acts[k, t * 2 + i] == actions[t][k * 2 + i]
-    assert not torch.equal(obs[0], obs[1])
-
-
-@pytest.mark.parametrize("mode", [[], ["--compile"]], ids=["eager", "compile"])
-def test_pqn_two_seeds_run_with_a_folder_each(mode, workdir):
-    summary, _ = run_script(PQN_PATH, *TINY["pqn"], *mode, "--num-seeds", 2, "--seed", 5, "--eval-episodes", 1, cwd=workdir)
-    assert summary["num_seeds"] == 2 and summary["updates"] == 16 and summary["total_steps"] == 512
-    assert None not in summary["episodic_returns"] and None not in summary["eval_returns"]
-    assert summary["episodic_return"] == pytest.approx(sum(summary["episodic_returns"]) / 2, abs=1e-3)
-    assert summary["eval_return"] == pytest.approx(sum(summary["eval_returns"]) / 2, abs=1e-3)
-    dirs = seed_dirs(workdir)
-    assert [d.name.split("__")[2] for d in dirs] == ["5", "6"]
-    for d in dirs:
-        rows = list(csv.DictReader(open(d / "curve.csv")))
-        assert rows and int(rows[-1]["step"]) == 512, d
+    assert batches[0][0].shape == (2, 128, 4) and batches[0][1].shape == (2, 128)
+    assert_rows_hold_their_seeds_sub_envs(batches[0], observations, actions, num_steps=64)
 
 
 def test_pqn_seed_checkpoint_loads_into_the_single_seed_script(workdir):
@@ -711,6 +631,38 @@ def test_pqn_a_diverged_seed_stops_the_run_with_finite_checkpoints(workdir):
         for path in d.glob("*.pt"):
             weights = torch.load(path, weights_only=True)["model"]["q_network"]
             assert all(torch.isfinite(t).all() for t in weights.values())
+
+
+# ---------------------------------------------------------------- every script: two seeds
+
+# Per script: its extra arguments, the env steps per seed and the updates (None: some). PPO Atari:
+# 16 iterations of 2 envs x 32 steps, enough for a game to end in each seed's envs.
+TWO_SEEDS = {
+    "dqn": (PATH, [], 400, None),
+    "pqn": (PQN_PATH, [], 512, 16),
+    "ppo": (PPO_PATH, [], 256, 16),
+    "ppo-atari": (ATARI_PATH, ["--total-timesteps", 1024, "--num-steps", 32], 1024, 64),
+}
+
+
+@pytest.mark.parametrize("mode", [[], ["--compile"]], ids=["eager", "compile"])
+@pytest.mark.parametrize("script", TWO_SEEDS)
+def test_two_seeds_run_with_a_folder_each(script, mode, workdir):
+    """Seeds 5 and 6: a folder each (one time stamp for the group) whose curve ends at the run's
+    last step, and the summary's per-seed returns and evaluations, which it averages."""
+    path, extra, steps, updates = TWO_SEEDS[script]
+    summary, _ = run_script(path, *TINY[family(path)], *mode, *extra, "--num-seeds", 2, "--seed", 5, "--eval-episodes", 1, cwd=workdir)
+    assert summary["num_seeds"] == 2 and summary["total_steps"] == steps and summary["updates"] == (updates or summary["updates"]) > 0
+    assert len(summary["episodic_returns"]) == len(summary["eval_returns"]) == 2
+    assert None not in summary["episodic_returns"] and None not in summary["eval_returns"], summary
+    assert summary["episodic_return"] == pytest.approx(sum(summary["episodic_returns"]) / 2, abs=1e-3)
+    assert summary["eval_return"] == pytest.approx(sum(summary["eval_returns"]) / 2, abs=1e-3)
+    dirs = seed_dirs(workdir)
+    assert [d.name.split("__")[2] for d in dirs] == ["5", "6"]
+    assert len({d.name.split("__")[3] for d in dirs}) == 1
+    for d in dirs:
+        rows = list(csv.DictReader(open(d / "curve.csv")))
+        assert rows and int(rows[-1]["step"]) == steps, d
 
 
 # ---------------------------------------------------------------- bad input
