@@ -1,11 +1,12 @@
 """The CUDA check, in one call on a machine with a GPU (see benchmark/cuda_check.sh).
 
 Every script of leanrl/ at its tiny test settings (tests/conftest.py TINY), the plain ones eager
-and the lean ones eager, --compile, --cudagraphs and both, several at a time, each with
-TORCH_LOGS=recompiles and a count of CUDA graph captures and replays (benchmark/cuda_probe).
-A run passes when it exits 0 with updates > 0, nothing recompiles after warm-up, and its CUDA
-graphs are captured (in the cudagraphs modes only) and then replayed more often than captured.
-Then one seed of the benchmark's tiny profile. Prints one table and writes it to OUT/cuda_check.md."""
+and the lean ones eager, --compile, --cudagraphs and both (and both with --num-seeds 2 where a
+script has it), several at a time, each with TORCH_LOGS=recompiles and a count of CUDA graph
+captures and replays (benchmark/cuda_probe). A run passes when it exits 0 with updates > 0,
+nothing recompiles after warm-up, and its CUDA graphs are captured (in the cudagraphs modes
+only) and then replayed more often than captured. Then one seed of the benchmark's tiny
+profile. Prints one table and writes it to OUT/cuda_check.md."""
 
 import argparse
 import concurrent.futures
@@ -20,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from conftest import TINY, family, is_lean  # noqa: E402
 
-MODES = {"eager": [], "compile": ["--compile"], "cudagraphs": ["--cudagraphs"], "compile+cudagraphs": ["--compile", "--cudagraphs"]}
+MODES = {"eager": [], "compile": ["--compile"], "cudagraphs": ["--cudagraphs"], "compile+cudagraphs": ["--compile", "--cudagraphs"],
+         "seeds2+compile+cudagraphs": ["--num-seeds", "2", "--compile", "--cudagraphs"]}
 
 
 def check(script, mode, out):
@@ -67,7 +69,8 @@ def main():
     if not torch.cuda.is_available():
         print("error: no CUDA device: this check is for a machine with a GPU", file=sys.stderr)
         sys.exit(2)
-    jobs = [(s, m) for s in sorted((ROOT / "leanrl").glob("*.py")) for m in (MODES if is_lean(s) else ["eager"])]
+    jobs = [(s, m) for s in sorted((ROOT / "leanrl").glob("*.py")) for m in (MODES if is_lean(s) else ["eager"])
+            if "seeds" not in m or "num_seeds: int" in s.read_text()]
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         rows = list(pool.map(lambda job: check(*job, out), jobs))
     head = ["script", "mode", "exit", "device", "updates", "sps", "captures", "replays", "recompiles", "seconds", "verdict"]
