@@ -621,6 +621,36 @@ def test_pqn_seed_checkpoint_loads_into_the_single_seed_script(workdir):
     assert loaded["eval_return"] == summary["eval_returns"][1]
 
 
+def test_pqn_seed_k_starts_as_a_single_run_of_seed_k(pqn, tmp_path, monkeypatch):
+    """Seed 6 of a two-seed run from seed 5 starts from the weights and the first observations of
+    a single run of seed 6."""
+    seen = {}
+    stack_seeds, make_policy, reset = pqn.stack_seeds, pqn.make_policy, pqn.SameStepEnvs.reset
+
+    def recording_stack_seeds(networks):
+        seen["stacked"] = [copy.deepcopy(net.state_dict()) for net in networks]
+        return stack_seeds(networks)
+
+    def recording_make_policy(q_network):
+        seen["single"] = copy.deepcopy(q_network.state_dict())
+        return make_policy(q_network)
+
+    def recording_reset(self, **kwargs):
+        obs, infos = reset(self, **kwargs)
+        seen.setdefault("obs", []).append(obs.copy())
+        return obs, infos
+
+    monkeypatch.setattr(pqn, "stack_seeds", recording_stack_seeds)
+    monkeypatch.setattr(pqn, "make_policy", recording_make_policy)
+    monkeypatch.setattr(pqn.SameStepEnvs, "reset", recording_reset)
+    assert main_in_process(pqn, "--num-seeds", 2, "--seed", 5, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
+    assert main_in_process(pqn, "--seed", 6, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
+    for name, value in seen["single"].items():
+        torch.testing.assert_close(seen["stacked"][1][name], value, rtol=0, atol=0)
+    assert not torch.equal(seen["stacked"][0]["network.0.weight"], seen["single"]["network.0.weight"])
+    np.testing.assert_array_equal(seen["obs"][0][2:], seen["obs"][1])
+
+
 def test_pqn_a_diverged_seed_stops_the_run_with_finite_checkpoints(workdir):
     """A learning rate of 1e30: exit 1 after the summary, one error line naming the seed and the
     step, and no checkpoint of non-finite weights."""
