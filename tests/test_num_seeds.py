@@ -170,21 +170,6 @@ def seed_dirs(workdir):
     return sorted((Path(workdir) / "runs").iterdir(), key=lambda d: int(d.name.split("__")[2]))
 
 
-def test_a_seeds_checkpoint_loads_into_the_single_seed_script(workdir):
-    """Seed 6's checkpoint, evaluated by the single-seed script as seed 6 (the same evaluation
-    env seed), gives the return the two-seed run reported for it: the same greedy network."""
-    summary, _ = run_script(PATH, *TINY["dqn"], "--num-seeds", 2, "--seed", 5, "--save-model", "--eval-episodes", 1, cwd=workdir)
-    checkpoints = [next(d.glob("*.pt")) for d in seed_dirs(workdir)]
-    assert str(checkpoints[0]).endswith(summary["checkpoint"])
-    saved = torch.load(checkpoints[1], weights_only=True)
-    assert saved["args"]["seed"] == 6 and set(saved["model"]) == {"q_network"}
-    # Each seed's own weights, not a view of both seeds' storage.
-    assert saved["model"]["q_network"]["network.0.weight"].shape == (120, 4)
-    loaded, _ = run_script(PATH, "--load-model", checkpoints[1], "--total-timesteps", 0, "--eval-episodes", 1, "--seed", 6, cwd=workdir)
-    assert loaded["num_seeds"] == 1 and "episodic_returns" not in loaded
-    assert loaded["eval_return"] == summary["eval_returns"][1]
-
-
 @pytest.mark.parametrize("script", ["dqn", "pqn"])
 def test_track_makes_one_wandb_run_per_seed(script, workdir):
     path = scripts(f"{script}_torchcompile.py")[0]
@@ -395,22 +380,6 @@ def test_ppo_atari_each_seed_learns_from_its_own_sub_envs(atari, tmp_path, monke
     assert_rows_hold_their_seeds_sub_envs(batches[0], frames, actions, num_steps=16)
 
 
-def test_ppo_atari_seed_checkpoint_loads_into_the_single_seed_script(workdir):
-    """Seed 6's checkpoint (its own agent), evaluated by the single-seed script as seed 6 (the
-    same evaluation env seed), gives the return the two-seed run reported for it."""
-    summary, _ = run_script(ATARI_PATH, *TINY["ppo_atari_envpool"], "--num-seeds", 2, "--seed", 5, "--save-model", "--eval-episodes", 1, cwd=workdir)
-    checkpoints = [next(d.glob("*.pt")) for d in seed_dirs(workdir)]
-    assert str(checkpoints[0]).endswith(summary["checkpoint"])
-    saved = [torch.load(c, weights_only=True) for c in checkpoints]
-    assert saved[1]["args"]["seed"] == 6 and set(saved[1]["model"]) == {"agent"}
-    # Each seed's own weights, not a view of both seeds' storage.
-    assert saved[1]["model"]["agent"]["network.0.weight"].shape == (32, 4, 8, 8)
-    assert not torch.equal(saved[0]["model"]["agent"]["network.0.weight"], saved[1]["model"]["agent"]["network.0.weight"])
-    loaded, _ = run_script(ATARI_PATH, "--load-model", checkpoints[1], "--total-timesteps", 0, "--eval-episodes", 1, "--seed", 6, cwd=workdir)
-    assert loaded["num_seeds"] == 1 and "episodic_returns" not in loaded
-    assert loaded["eval_return"] == summary["eval_returns"][1]
-
-
 def test_ppo_atari_a_diverged_seed_stops_the_run_and_saves_no_non_finite_weights(workdir):
     """A learning rate of 1e30 blows both seeds up in the first iteration: exit 1 after the
     summary, one error line naming the seed and the step, and no checkpoint (the weights were
@@ -605,22 +574,6 @@ def test_pqn_each_seed_learns_from_its_own_sub_envs(pqn, tmp_path, monkeypatch):
     assert_rows_hold_their_seeds_sub_envs(batches[0], observations, actions, num_steps=64)
 
 
-def test_pqn_seed_checkpoint_loads_into_the_single_seed_script(workdir):
-    """Seed 6's checkpoint, evaluated by the single-seed script as seed 6 (the same evaluation env
-    seed), gives the return the two-seed run reported for it: the same greedy network."""
-    summary, _ = run_script(PQN_PATH, *TINY["pqn"], "--num-seeds", 2, "--seed", 5, "--save-model", "--eval-episodes", 2, cwd=workdir)
-    checkpoints = [next(d.glob("*.pt")) for d in seed_dirs(workdir)]
-    assert str(checkpoints[0]).endswith(summary["checkpoint"])
-    saved = [torch.load(c, weights_only=True) for c in checkpoints]
-    assert saved[1]["args"]["seed"] == 6 and set(saved[1]["model"]) == {"q_network"}
-    # Each seed's own weights, not a view of both seeds' storage.
-    assert saved[1]["model"]["q_network"]["network.0.weight"].shape == (120, 4)
-    assert not torch.equal(saved[0]["model"]["q_network"]["network.0.weight"], saved[1]["model"]["q_network"]["network.0.weight"])
-    loaded, _ = run_script(PQN_PATH, "--load-model", checkpoints[1], "--total-timesteps", 0, "--eval-episodes", 2, "--seed", 6, cwd=workdir)
-    assert loaded["num_seeds"] == 1 and "episodic_returns" not in loaded
-    assert loaded["eval_return"] == summary["eval_returns"][1]
-
-
 def test_pqn_seed_k_starts_as_a_single_run_of_seed_k(pqn, tmp_path, monkeypatch):
     """Seed 6 of a two-seed run from seed 5 starts from the weights and the first observations of
     a single run of seed 6."""
@@ -693,6 +646,34 @@ def test_two_seeds_run_with_a_folder_each(script, mode, workdir):
     for d in dirs:
         rows = list(csv.DictReader(open(d / "curve.csv")))
         assert rows and int(rows[-1]["step"]) == steps, d
+
+
+# Per script (PPO continuous, whose checkpoints carry observation statistics, has its own test):
+# the network's name in the checkpoint, its first layer's shape, the evaluation episodes.
+SEED_CHECKPOINTS = {
+    "dqn": (PATH, "q_network", (120, 4), 1),
+    "pqn": (PQN_PATH, "q_network", (120, 4), 2),
+    "ppo-atari": (ATARI_PATH, "agent", (32, 4, 8, 8), 1),
+}
+
+
+@pytest.mark.parametrize("script", SEED_CHECKPOINTS)
+def test_a_seeds_checkpoint_loads_into_the_single_seed_script(script, workdir):
+    """Seed 6's checkpoint (its own network), evaluated by the single-seed script as seed 6 (the
+    same evaluation env seed), gives the return the two-seed run reported for it: the same greedy
+    network."""
+    path, network, shape, episodes = SEED_CHECKPOINTS[script]
+    summary, _ = run_script(path, *TINY[family(path)], "--num-seeds", 2, "--seed", 5, "--save-model", "--eval-episodes", episodes, cwd=workdir)
+    checkpoints = [next(d.glob("*.pt")) for d in seed_dirs(workdir)]
+    assert str(checkpoints[0]).endswith(summary["checkpoint"])
+    saved = [torch.load(c, weights_only=True) for c in checkpoints]
+    assert saved[1]["args"]["seed"] == 6 and set(saved[1]["model"]) == {network}
+    # Each seed's own weights, not a view of both seeds' storage.
+    assert saved[1]["model"][network]["network.0.weight"].shape == shape
+    assert not torch.equal(saved[0]["model"][network]["network.0.weight"], saved[1]["model"][network]["network.0.weight"])
+    loaded, _ = run_script(path, "--load-model", checkpoints[1], "--total-timesteps", 0, "--eval-episodes", episodes, "--seed", 6, cwd=workdir)
+    assert loaded["num_seeds"] == 1 and "episodic_returns" not in loaded
+    assert loaded["eval_return"] == summary["eval_returns"][1]
 
 
 # ---------------------------------------------------------------- bad input
