@@ -4,11 +4,11 @@ Parallelised Q-Network (Gallici et al., 2024, "Simplifying Deep Temporal Differe
 https://arxiv.org/abs/2407.04811) with the details and defaults of CleanRL's `pqn.py`: Q-learning
 with a LayerNorm MLP, vectorized envs, epsilon-greedy rollouts, Q(lambda) returns and a few epochs
 of minibatch updates per rollout, with no replay buffer and no target network. It learns as the
-plain script `pqn.py` does; what changes is where the time goes: acting applies the layers
-directly, the rollout is stored in tensors allocated once, the Q(lambda) returns are one
-triangular solve, the minibatch step (gather, forward, backward, clipping, RAdam) is one
-function that compiles to one graph, and nothing syncs the host with the device between two log
-points.
+plain script `pqn.py` does; what changes is where the time goes: on a CPU the rollout loop
+acts in numpy with no torch call, the rollout is stored in arrays allocated once, the Q(lambda)
+returns are one triangular solve, the minibatch step (gather, forward, backward, clipping,
+RAdam) is one function that compiles to one graph, and nothing syncs the host with the device
+between two log points.
 
     python leanrl/pqn_torchcompile.py
     python leanrl/pqn_torchcompile.py --compile
@@ -278,35 +278,63 @@ def draw_exploration(epsilons, num_envs, n_act, device):
     return explore, torch.randint(n_act, (len(epsilons), num_envs), device=device)
 
 
-def make_policy(q_network):
-    """Acting: one epsilon-greedy step for every env, and max Q of each observation (the values
-    the Q(lambda) returns bootstrap from); `explore` and `random_actions` are the step's row of
-    `draw_exploration`. The layers are applied with F.linear and F.layer_norm on the Q-network's
-    own parameters: for a few observations each nn.Module call costs more than its arithmetic (35
-    us a step so, 54 us through the module, on a CPU). Unlike lean DQN's, it stays in torch on a
-    CPU: in numpy its LayerNorms' row reductions cost as much as the torch ops (75 us a step in
-    the loop either way)."""
-    linears = [(m.weight, m.bias) for m in q_network.network if isinstance(m, nn.Linear)]
-    norms = [(m.normalized_shape, m.weight, m.bias, m.eps) for m in q_network.network if isinstance(m, nn.LayerNorm)]
+def make_policy(params, num_seeds, host):
+    """Acting: for observations [seeds * envs, n_obs] (seed k's envs in block k), the greedy action
+    of each under its seed's network and its max Q (the value the Q(lambda) returns bootstrap
+    from); epsilon-greedy is mixed in by the loop. `params`: the Q-networks' parameters with a
+    leading seed dimension (`stack_seeds`, or one network's unsqueezed).
+    `host` (a CPU): numpy in and out, on views of the parameters (`Tensor.numpy()` shares their
+    memory, so every RAdam step is seen at once), where an op on a few numbers costs about a
+    microsecond and a torch op several. Each LayerNorm's mean and variance are matmuls with a
+    column of 1/n: numpy's row reductions cost several us each. Whole compiled runs (CartPole,
+    102k steps, one thread, 4 interleaved pairs, AMD EPYC): 1.29-1.33x faster than acting in
+    torch; but the same numpy policy behind torch.from_numpy, with the rollout still gathered in
+    tensors, was as slow as torch (3 pairs): the loop makes no torch call at all.
+    Else `seeds_q_values` in torch, which CUDA compiles and graphs (the loop calls it through
+    `host_arrays`)."""
+    if not host:
 
-    def policy(obs, explore, random_actions):
-        x = obs
-        for (weight, bias), norm in zip(linears[:-1], norms):
-            x = F.layer_norm(F.linear(x, weight, bias), *norm).relu_()
-        value, greedy = F.linear(x, *linears[-1]).max(dim=1)
-        return torch.where(explore, random_actions, greedy), value
+        def policy(obs):
+            value, greedy = seeds_q_values(params, obs.view(num_seeds, -1, obs.shape[-1])).max(dim=2)
+            return greedy.flatten(), value.flatten()
 
-    return policy
+        return policy
+
+    arrays = {name: t.numpy() for name, t in params.items()}
+    layers = []
+    for linear, norm in (("network.0", "network.1"), ("network.3", "network.4")):
+        mean = np.full((arrays[f"{linear}.bias"].shape[1], 1), 1.0 / arrays[f"{linear}.bias"].shape[1], np.float32)
+        layers.append((arrays[f"{linear}.weight"].swapaxes(1, 2), arrays[f"{linear}.bias"][:, None], mean, arrays[f"{norm}.weight"][:, None], arrays[f"{norm}.bias"][:, None]))
+    out_weight, out_bias = arrays["network.6.weight"].swapaxes(1, 2), arrays["network.6.bias"][:, None]
+
+    def host_policy(obs):
+        x = obs.reshape(num_seeds, -1, obs.shape[-1])
+        for weight_t, bias, mean, scale, shift in layers:
+            h = x @ weight_t
+            h += bias
+            h -= h @ mean
+            std = (h * h) @ mean
+            std += 1e-5  # nn.LayerNorm's eps
+            np.sqrt(std, out=std)
+            h /= std
+            h *= scale
+            h += shift
+            x = np.maximum(h, 0, out=h)
+        q = x @ out_weight
+        q += out_bias
+        return q.argmax(2).ravel(), q.max(2).ravel()
+
+    return host_policy
 
 
-def make_seeds_policy(params, num_seeds):
-    """make_policy for stacked seeds: observations [seeds * envs, n_obs], seed k's envs in block k."""
+def host_arrays(policy, device):
+    """A device policy as the loop calls it: host observations in, host actions and values out."""
 
-    def policy(obs, explore, random_actions):
-        value, greedy = seeds_q_values(params, obs.view(num_seeds, -1, obs.shape[-1])).max(dim=2)
-        return torch.where(explore, random_actions, greedy.flatten()), value.flatten()
+    def call(obs):
+        # note: .cpu() is a CPU-GPU sync point on CUDA, which the host env needs anyway
+        return [x.cpu().numpy() for x in policy(torch.from_numpy(obs).to(device))]
 
-    return policy
+    return call
 
 
 def make_returns(gamma, q_lambda):
@@ -760,7 +788,7 @@ def main(args: Args):
     capturable, q_networks = args.compile or device.type == "cuda", [q_network]
     if num_seeds == 1:
         optimizer = RAdam(q_network.named_parameters(), lr, capturable=capturable)
-        policy = make_policy(q_network)
+        params = {name: p.detach().unsqueeze(0) for name, p in q_network.named_parameters()}
         update = make_update(q_network, optimizer, args.max_grad_norm)
     else:
         for k in range(1, num_seeds):
@@ -771,21 +799,21 @@ def main(args: Args):
                 load_checkpoint(args.load_model, {"q_network": q_networks[k]}, args.env_id)
         q_params = stack_seeds(q_networks)
         optimizer = RAdam(q_params.items(), lr, capturable=capturable)
-        policy = make_seeds_policy(dict(q_params.items()), num_seeds)
+        params = dict(q_params.items())
         update = make_seeds_update(optimizer, args.max_grad_norm, num_seeds)
+    policy = make_policy(params, num_seeds, host=device.type == "cpu")
 
     def by_seed(x):
         """[num_steps, seeds * envs, ...] -> [seeds, num_steps * envs, ...]: each seed's rollout
         flattened as a single run flattens its own."""
         return x.view(args.num_steps, num_seeds, args.num_envs, *x.shape[2:]).transpose(0, 1).reshape(num_seeds, batch_size, *x.shape[2:])
 
-    # The rollout: host arrays for what the envs return (one copy per field per rollout to the
-    # device), device tensors for what the policy returns.
+    # The rollout: host arrays, where the envs and acting are (one copy per field per rollout to
+    # the device).
     steps_envs = (args.num_steps, sub_envs)
-    stage = {"obs": np.zeros((*steps_envs, n_obs), np.float32), **{k: np.zeros(steps_envs, np.float32) for k in ("rewards", "dones")}}
-    storage = {k: torch.empty(v.shape, device=device) for k, v in stage.items()}
-    storage["actions"] = torch.empty(steps_envs, dtype=torch.long, device=device)
-    storage["values"] = torch.empty(steps_envs, device=device)
+    stage = {"obs": np.zeros((*steps_envs, n_obs), np.float32), "actions": np.zeros(steps_envs, np.int64),
+             **{k: np.zeros(steps_envs, np.float32) for k in ("values", "rewards", "dones")}}
+    storage = {k: torch.from_numpy(v).to(device, copy=True) for k, v in stage.items()}
 
     returns_fn = make_returns(args.gamma, args.q_lambda)
     # What --compile compiles (2-core CPU, torch 2.13, one thread, CartPole, best of 7 runs):
@@ -794,9 +822,9 @@ def main(args: Args):
     #   it runs through inductor's C++ wrapper, which drops the Python glue between kernels
     #   (another day, with value_guards: 220 us without the wrapper, 183-194 us with it; whole
     #   runs 1.02-1.04x, 3 pinned pairs);
-    # - policy: 21 us eager for 4 observations, 32 us compiled and 29 us with the C++ wrapper
-    #   (with value_guards; the compiled call's wrappers cost more than fusing a dozen tiny ops
-    #   saves), so it is compiled on CUDA only.
+    # - policy: for 4 observations, 21 us in torch eager, 32 us compiled and 29 us with the C++
+    #   wrapper (with value_guards; the compiled call's wrappers cost more than fusing a dozen
+    #   tiny ops saves), so on a CPU it is numpy (make_policy), and compiled on CUDA.
     if args.compile:
         update = torch.compile(update, fullgraph=True, options={"guard_filter_fn": value_guards, "cpp_wrapper": device.type == "cpu"})
         if device.type == "cuda":
@@ -805,6 +833,8 @@ def main(args: Args):
         update = CudaGraphModule(update)
         returns_fn = CudaGraphModule(returns_fn)
         policy = CudaGraphModule(policy)
+    if device.type != "cpu":
+        policy = host_arrays(policy, device)
 
     global_step = updates = 0
     epsilon_value, lr_now = args.start_e, args.learning_rate
@@ -819,39 +849,33 @@ def main(args: Args):
                     lr_now = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
                     lr.copy_(lr_now)
 
-                actions, values = [], []
                 # Each step's epsilon is the schedule's after counting that step's env steps.
                 epsilons = [linear_schedule(args.start_e, args.end_e, args.exploration_fraction * args.total_timesteps, global_step + args.num_envs * (t + 1))
                             for t in range(args.num_steps)]
-                explore, random_actions = draw_exploration(epsilons, sub_envs, n_act, device)
+                # Drawn on the host, where acting mixes them in.
+                explore, random_actions = (x.numpy() for x in draw_exploration(epsilons, sub_envs, n_act, "cpu"))
                 epsilon_value = epsilons[-1]
-                # Inference mode drops the autograd bookkeeping of every op: rollouts 2-22% faster
-                # on a CPU (3 interleaved 50k-step runs). Not under CUDA graphs (untested there).
-                with torch.inference_mode(not cudagraphs):
-                    for step in range(args.num_steps):
-                        global_step += args.num_envs
-                        stage["obs"][step] = obs
-                        if cudagraphs:
-                            torch.compiler.cudagraph_mark_step_begin()
-                        action, value = policy(torch.from_numpy(obs).to(device), explore[step], random_actions[step])
-                        actions.append(action)
-                        values.append(value)
-                        # note: .cpu() is a CPU-GPU sync point on CUDA, which the host env needs anyway
-                        next_obs, reward, termination, truncation, infos = envs.step(action.cpu().numpy())
-                        stage["rewards"][step] = reward
-                        stage["dones"][step] = termination | truncation  # a time limit ends the return too
-                        if num_seeds == 1:
-                            run.episodes(global_step, infos)
-                        elif "final_info" in infos:
-                            for k, seed_run in enumerate(runs):
-                                seed_run.episodes(global_step, seed_slice(infos["final_info"], k, args.num_envs))
-                        obs = next_obs.reshape(sub_envs, n_obs).astype(np.float32, copy=False)
+                for step in range(args.num_steps):
+                    global_step += args.num_envs
+                    stage["obs"][step] = obs
+                    if cudagraphs:
+                        torch.compiler.cudagraph_mark_step_begin()
+                    greedy, value = policy(obs)
+                    action = np.where(explore[step], random_actions[step], greedy)
+                    stage["actions"][step], stage["values"][step] = action, value
+                    next_obs, reward, termination, truncation, infos = envs.step(action)
+                    stage["rewards"][step] = reward
+                    stage["dones"][step] = termination | truncation  # a time limit ends the return too
+                    if num_seeds == 1:
+                        run.episodes(global_step, infos)
+                    elif "final_info" in infos:
+                        for k, seed_run in enumerate(runs):
+                            seed_run.episodes(global_step, seed_slice(infos["final_info"], k, args.num_envs))
+                    obs = next_obs.reshape(sub_envs, n_obs).astype(np.float32, copy=False)
 
                 if cudagraphs:
                     torch.compiler.cudagraph_mark_step_begin()
-                next_value = policy(torch.from_numpy(obs).to(device), explore[0], random_actions[0])[1]  # its values only
-                torch.stack(actions, out=storage["actions"])
-                torch.stack(values, out=storage["values"])
+                next_value = torch.from_numpy(policy(obs)[1]).to(device)  # its values only
                 for key, staged in stage.items():
                     storage[key].copy_(torch.from_numpy(staged))
                 returns = returns_fn(storage["rewards"], storage["values"], next_value, storage["dones"])

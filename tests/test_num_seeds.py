@@ -549,20 +549,25 @@ def test_pqn_changing_one_seed_changes_no_other_seed(pqn, change):
     assert_only_seed_one_moved(results, seed_dim=2)
 
 
-def test_pqn_stacked_policy_acts_as_each_seeds_network(pqn):
-    """Sub-env block k gets max Q under seed k's network, and its greedy action where it does not
-    explore, the drawn random action where it does. Tolerance: torch's float32 default (batched
-    matmuls, LayerNorm's scale and shift applied apart)."""
+@pytest.mark.parametrize("host", [True, False], ids=["numpy", "torch"])
+def test_pqn_stacked_policy_acts_as_each_seeds_network(pqn, host):
+    """Sub-env block k gets seed k's network's greedy action and max Q, in numpy (a CPU) and in
+    torch. Tolerance: torch's float32 default (batched matmuls, LayerNorm's statistics as
+    matmuls in numpy, its scale and shift applied apart)."""
     nets, _, _ = pqn_case(pqn)
-    policy = pqn.make_seeds_policy(dict(pqn.stack_seeds(nets).items()), N)
+    for net in nets:  # each seed its own LayerNorm scale and shift
+        for norm in (net.network[1], net.network[4]):
+            norm.weight.data.uniform_(0.5, 1.5)
+            norm.bias.data.normal_()
+    policy = pqn.make_policy(dict(pqn.stack_seeds(nets).items()), N, host)
+    if not host:
+        policy = pqn.host_arrays(policy, torch.device("cpu"))
     obs = torch.randn(N * 64, N_OBS)
-    explore, random_actions = torch.rand(N * 64) < 0.3, torch.randint(0, N_ACT, (N * 64,))
     with torch.no_grad():
-        action, value = policy(obs, explore, random_actions)
+        greedy, value = (torch.from_numpy(x) for x in policy(obs.numpy()))
         q = torch.cat([net(block) for net, block in zip(nets, obs.view(N, 64, N_OBS))])
     torch.testing.assert_close(value, q.max(dim=1).values)
-    torch.testing.assert_close(action, torch.where(explore, random_actions, q.argmax(dim=1)), rtol=0, atol=0)
-    assert explore.any() and not explore.all()
+    torch.testing.assert_close(greedy, q.argmax(dim=1), rtol=0, atol=0)
 
 
 def test_pqn_each_seed_learns_from_its_own_sub_envs(pqn, tmp_path, monkeypatch):
@@ -584,9 +589,10 @@ def test_pqn_seed_k_starts_as_a_single_run_of_seed_k(pqn, tmp_path, monkeypatch)
         seen["stacked"] = [copy.deepcopy(net.state_dict()) for net in networks]
         return stack_seeds(networks)
 
-    def recording_make_policy(q_network):
-        seen["single"] = copy.deepcopy(q_network.state_dict())
-        return make_policy(q_network)
+    def recording_make_policy(params, num_seeds, host):
+        if num_seeds == 1:
+            seen["single"] = {name: t[0].clone() for name, t in params.items()}
+        return make_policy(params, num_seeds, host)
 
     def recording_reset(self, **kwargs):
         obs, infos = reset(self, **kwargs)
