@@ -303,7 +303,8 @@ def make_policy(params, num_seeds, host):
     arrays = {name: t.numpy() for name, t in params.items()}
     layers = []
     for linear, norm in (("network.0", "network.1"), ("network.3", "network.4")):
-        mean = np.full((arrays[f"{linear}.bias"].shape[1], 1), 1.0 / arrays[f"{linear}.bias"].shape[1], np.float32)
+        width = arrays[f"{linear}.bias"].shape[1]
+        mean = np.full((width, 1), 1.0 / width, np.float32)  # x @ mean: each row's mean
         layers.append((arrays[f"{linear}.weight"].swapaxes(1, 2), arrays[f"{linear}.bias"][:, None], mean, arrays[f"{norm}.weight"][:, None], arrays[f"{norm}.bias"][:, None]))
     out_weight, out_bias = arrays["network.6.weight"].swapaxes(1, 2), arrays["network.6.bias"][:, None]
 
