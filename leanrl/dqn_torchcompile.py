@@ -324,43 +324,49 @@ def draw_exploration(epsilons, num_envs, n_act, device):
     return explore, torch.randint(n_act, (len(epsilons), num_envs), device=device)
 
 
-def make_policy(q_network, host):
-    """Acting: the greedy action of every env (exploration is drawn on the host in the loop, as in
-    dqn.py, so a step where every env explores skips the network). The layers are applied to the
-    Q-network's own parameters, not through the module: for a few observations each nn.Module
-    call costs more than its matmul. `host` (a CPU): in numpy, on views of the parameters
-    (`Tensor.numpy()` shares their memory, so every Adam step is seen at once), where an op on a
-    few numbers costs under a microsecond and a torch op several; else with F.linear, which CUDA
-    compiles and graphs. In the loop, on a CPU (one thread, between CartPole steps): 16 us a step
-    in numpy, 27 us with F.linear; whole compiled runs 1.02-1.28x faster (8 interleaved pairs)."""
-    layers = [(m.weight.detach(), m.bias.detach()) for m in q_network.network if isinstance(m, nn.Linear)]
-    if host:
-        arrays = [(weight.numpy().T, bias.numpy()) for weight, bias in layers]
+def make_policy(params, num_seeds, host):
+    """Acting: for observations [seeds * envs, n_obs] (seed k's envs in block k), the greedy action
+    of each under its seed's network (exploration is drawn on the host in the loop, as in dqn.py,
+    so a step where every env explores skips the network). `params`: the Q-networks' parameters
+    with a leading seed dimension (`stack_seeds`, or one network's unsqueezed).
+    `host` (a CPU): numpy in and out, on views of the parameters (`Tensor.numpy()` shares their
+    memory, so every Adam step is seen at once), where an op on a few numbers costs under a
+    microsecond and a torch op several. In the loop, on a CPU (one thread, between CartPole
+    steps): 16 us a step in numpy, 27 us with F.linear; whole compiled runs 1.02-1.28x faster
+    (8 interleaved pairs). With no torch call left around it (the observations, actions and
+    stacked seeds in numpy too), 1.06-1.23x faster again (4 pairs, AMD EPYC; 8 seeds
+    1.08-1.40x, 3 pairs). Else `seeds_q_values` in torch, which CUDA compiles and graphs (the
+    loop calls it through `host_arrays`)."""
+    if not host:
 
-        def host_policy(obs):
-            x = obs.numpy()
-            for weight_t, bias in arrays[:-1]:
-                x = np.maximum(x @ weight_t + bias, 0)
-            return torch.from_numpy((x @ arrays[-1][0] + arrays[-1][1]).argmax(1))
+        def policy(obs):
+            return seeds_q_values(params, obs.view(num_seeds, -1, obs.shape[-1])).argmax(dim=2).flatten()
 
-        return host_policy
+        return policy
 
-    def policy(obs):
-        x = obs
-        for weight, bias in layers[:-1]:
-            x = F.linear(x, weight, bias).relu_()
-        return F.linear(x, *layers[-1]).argmax(dim=1)
+    layers = [(params[f"{layer}.weight"].numpy().swapaxes(1, 2), params[f"{layer}.bias"].numpy()[:, None]) for layer in ("network.0", "network.2", "network.4")]
 
-    return policy
+    def host_policy(obs):
+        x = obs.reshape(num_seeds, -1, obs.shape[-1])
+        for weight_t, bias in layers[:-1]:
+            x = x @ weight_t
+            x += bias
+            np.maximum(x, 0, out=x)
+        q = x @ layers[-1][0]
+        q += layers[-1][1]
+        return q.argmax(2).ravel()
+
+    return host_policy
 
 
-def make_seeds_policy(params, num_seeds):
-    """make_policy for stacked seeds: observations [seeds * envs, n_obs], seed k's envs in block k."""
+def host_arrays(policy, device):
+    """A device policy as the loop calls it: host observations in, host actions out."""
 
-    def policy(obs):
-        return seeds_q_values(params, obs.view(num_seeds, -1, obs.shape[-1])).argmax(dim=2).flatten()
+    def call(obs):
+        # note: .cpu() is a CPU-GPU sync point on CUDA, which the host env needs anyway
+        return policy(torch.from_numpy(obs).to(device)).cpu().numpy()
 
-    return policy
+    return call
 
 
 def make_update(q_network, target_network, optimizer, storage, gamma):
@@ -798,7 +804,7 @@ def main(args: Args):
         q_params, target_params = from_module(q_network).data, from_module(target_network).data
         target_params.copy_(q_params)
         optimizer = Adam(q_network.named_parameters(), args.learning_rate, capturable=capturable)
-        policy = make_policy(q_network, host=device.type == "cpu")
+        params = {name: p.detach().unsqueeze(0) for name, p in q_network.named_parameters()}
         update = make_update(q_network, target_network, optimizer, rb.storage, args.gamma)
     else:
         for k in range(1, num_seeds):
@@ -810,8 +816,9 @@ def main(args: Args):
         q_params = stack_seeds(q_networks)
         target_params = q_params.clone()
         optimizer = Adam(q_params.items(), args.learning_rate, capturable=capturable)
-        policy = make_seeds_policy(dict(q_params.items()), num_seeds)
-        update = make_seeds_update(dict(q_params.items()), dict(target_params.items()), optimizer, rb.storage, args.gamma, num_seeds)
+        params = dict(q_params.items())
+        update = make_seeds_update(params, dict(target_params.items()), optimizer, rb.storage, args.gamma, num_seeds)
+    policy = make_policy(params, num_seeds, host=device.type == "cpu")
     # What --compile compiles (2-core CPU, torch 2.13, one thread, batch 128):
     # - update: 1.5 ms eager, 0.38 ms compiled (one graph: 11 matmuls and 9 fused kernels),
     #   0.33 ms with inductor's C++ wrapper, which drops the Python glue between kernels (CPU only);
@@ -825,6 +832,8 @@ def main(args: Args):
     if cudagraphs:
         update = CudaGraphModule(update)
         policy = CudaGraphModule(policy)
+    if device.type != "cpu":
+        policy = host_arrays(policy, device)
 
     global_step = updates = 0
     metrics, epsilon = None, args.start_e
@@ -846,8 +855,7 @@ def main(args: Args):
                 if not explore[step].all():
                     if cudagraphs:
                         torch.compiler.cudagraph_mark_step_begin()
-                    # note: .cpu() is a CPU-GPU sync point on CUDA, which the host env needs anyway
-                    actions = np.where(explore[step], actions, policy(torch.from_numpy(obs).to(device)).cpu().numpy())
+                    actions = np.where(explore[step], actions, policy(obs))
                 next_obs, rewards, terminations, truncations, infos = envs.step(actions)
                 global_step += args.num_envs
                 if num_seeds == 1:

@@ -182,21 +182,25 @@ def test_plain_buffer_samples_only_filled_rows(plain):
 # ---------------------------------------------------------------- policy
 
 
-def test_lean_policy_is_greedy_and_draws_explore_below_epsilon(lean):
-    """The policy applies the Q-network's layers itself (for speed), in torch and in numpy on the
-    host: its actions are the argmax of the module's forward, and the numpy one sees an in-place
-    step of the parameters. Draws at epsilon 0 never explore, at 1 always do, with uniform actions."""
+@pytest.mark.parametrize("host", [True, False], ids=["numpy", "torch"])
+def test_lean_policy_is_greedy_and_draws_explore_below_epsilon(lean, host):
+    """The policy applies the Q-network's layers itself (for speed), in numpy on a CPU and in
+    torch elsewhere (behind `host_arrays`, as the loop calls it): its actions are the argmax of
+    the module's forward, also after an in-place step of the parameters (the numpy one reads
+    views of them). Draws at epsilon 0 never explore, at 1 always do, with uniform actions."""
     torch.manual_seed(0)
     n_act = 3
     q_network = lean.QNetwork(4, n_act)
+    params = {name: p.detach().unsqueeze(0) for name, p in q_network.named_parameters()}
+    policy = lean.make_policy(params, 1, host)
+    if not host:
+        policy = lean.host_arrays(policy, torch.device("cpu"))
     obs = torch.randn(4096, 4)
     with torch.no_grad():
-        for host in (False, True):
-            policy = lean.make_policy(q_network, host)
-            torch.testing.assert_close(policy(obs), q_network(obs).argmax(dim=1), rtol=0, atol=0)
+        for _ in range(2):
+            torch.testing.assert_close(torch.from_numpy(policy(obs.numpy())), q_network(obs).argmax(dim=1), rtol=0, atol=0)
             for p in q_network.parameters():
                 p.add_(torch.randn_like(p))  # as Adam steps: in place
-            torch.testing.assert_close(policy(obs), q_network(obs).argmax(dim=1), rtol=0, atol=0)
     explore, random_actions = lean.draw_exploration([0.0, 1.0, 0.5], 4096, n_act, "cpu")
     assert explore.shape == random_actions.shape == (3, 4096)
     assert not explore[0].any() and explore[1].all()

@@ -121,14 +121,17 @@ def test_changing_one_seed_changes_no_other_seed(lean, change):
     assert_only_seed_one_moved(results, seed_dim=2)
 
 
-def test_stacked_policy_acts_as_each_seeds_network(lean):
-    """Sub-env block k acts greedily on seed k's network."""
+@pytest.mark.parametrize("host", [True, False], ids=["numpy", "torch"])
+def test_stacked_policy_acts_as_each_seeds_network(lean, host):
+    """Sub-env block k acts greedily on seed k's network, in numpy (a CPU) and in torch."""
     nets, _, _, _ = seeds_case(lean)
-    policy = lean.make_seeds_policy(dict(lean.stack_seeds(nets).items()), N)
+    policy = lean.make_policy(dict(lean.stack_seeds(nets).items()), N, host)
+    if not host:
+        policy = lean.host_arrays(policy, torch.device("cpu"))
     obs = torch.randn(N * 64, N_OBS)
     with torch.no_grad():
         expected = torch.cat([net(block).argmax(dim=1) for net, block in zip(nets, obs.view(N, 64, N_OBS))])
-        torch.testing.assert_close(policy(obs), expected, rtol=0, atol=0)
+        torch.testing.assert_close(torch.from_numpy(policy(obs.numpy())), expected, rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------- runs
