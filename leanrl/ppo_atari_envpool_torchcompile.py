@@ -307,32 +307,27 @@ class Adam:
         )
 
 
-def make_policy(agent):
-    """Acting: one forward of the shared trunk and both heads, without autograd."""
+def make_policy(agent, params, num_seeds):
+    """Acting: for frames [seeds * envs, 4, 84, 84] (seed k's envs in block k), one forward of each
+    seed's shared trunk and both heads, without autograd. One seed: `agent` (a detached view of
+    the trained agent); stacked seeds (`stack_seeds`): `params` through `agent`'s structure,
+    each block with its own seed's weights (torch.func.vmap)."""
+    if num_seeds == 1:
+        forward = agent
+    else:
+        vmapped = torch.func.vmap(lambda p, x: torch.func.functional_call(agent, p, (x,)))
+
+        def forward(obs):
+            return tuple(x.flatten(0, 1) for x in vmapped(params, obs.view(num_seeds, -1, *obs.shape[1:])))
 
     def policy(obs):
-        logits, value = agent(obs)
+        logits, value = forward(obs)
         # Gumbel-max: argmax(logits + Gumbel noise) is a sample of Categorical(logits), in
         # elementwise ops that compile, where torch.multinomial would break the graph.
         gumbel = -(-torch.rand_like(logits).log()).log()
         action = (logits + gumbel).argmax(1)
         logprob = logits.log_softmax(1).gather(1, action.unsqueeze(1)).squeeze(1)
         return action, logprob, value
-
-    return policy
-
-
-def make_seeds_policy(agent, params, num_seeds):
-    """make_policy for stacked seeds (`stack_seeds`): frames [seeds * envs, 4, 84, 84], seed k's
-    envs in block k, each block through its own seed's weights (torch.func.vmap)."""
-    forward = torch.func.vmap(lambda p, x: torch.func.functional_call(agent, p, (x,)))
-
-    def policy(obs):
-        logits, value = forward(params, obs.view(num_seeds, -1, *obs.shape[1:]))
-        gumbel = -(-torch.rand_like(logits).log()).log()
-        action = (logits + gumbel).argmax(2)
-        logprob = logits.log_softmax(2).gather(2, action.unsqueeze(2)).squeeze(2)
-        return action.flatten(), logprob.flatten(), value.flatten()
 
     return policy
 
@@ -969,9 +964,7 @@ def main(args: Args):
 
     if num_seeds == 1:
         params.to_module(agent_inference)
-        policy = make_policy(agent_inference)
-    else:
-        policy = make_seeds_policy(agent_inference, dict(params.items()), num_seeds)
+    policy = make_policy(agent_inference, dict(params.items()), num_seeds)
     gae = make_gae(args.gamma, args.gae_lambda)
     update = make_update(agent, optimizer, args, world_size, num_seeds)
     # What --compile compiles (2-core CPU, torch 2.13, one thread):

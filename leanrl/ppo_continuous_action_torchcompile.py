@@ -354,20 +354,23 @@ class Adam:
         )
 
 
-def make_policy(agent, host, seed=0):
-    """Acting: one forward of actor and critic, without autograd; the action's noise is drawn here.
-    `host` (a CPU): in numpy, on views of the agent's parameters (`Tensor.numpy()` shares their
-    memory, so every Adam step is seen at once), with noise from a numpy generator seeded with
-    `seed`: for one observation a numpy op costs under a microsecond and a torch op several, and a
-    compiled call's wrappers more than its kernels. In the loop, on a CPU (one thread, between
-    HalfCheetah steps): 96 us a step in numpy, 202 us compiled with inductor's C++ wrapper, 223 us
-    eager; whole compiled runs 1.04-1.56x faster (8 interleaved pairs). Else in torch, which CUDA
-    compiles and graphs."""
+def make_policy(agent, params, num_seeds, host, seed=0):
+    """Acting: for observations [seeds * envs, n_obs] (seed k's envs in block k), one forward of
+    each seed's actor and critic, without autograd; the action's noise is drawn here. `params`:
+    the agents' parameters with a leading seed dimension (`stack_seeds`, or one agent's
+    unsqueezed); `agent`, its structure for torch (a meta-device Agent holding one seed's views).
+    `host` (a CPU): in numpy, on views of the parameters (`Tensor.numpy()` shares their memory,
+    so every Adam step is seen at once), with noise from a numpy generator seeded with `seed`
+    (the seeds share it): for a few observations a numpy op costs under a microsecond and a torch
+    op several, and a compiled call's wrappers more than its kernels. In the loop, on a CPU (one
+    thread, between HalfCheetah steps): 96 us a step in numpy, 202 us compiled with inductor's C++
+    wrapper, 223 us eager; whole compiled runs 1.04-1.56x faster (8 interleaved pairs). Else in
+    torch (stacked seeds through torch.func.vmap), which CUDA compiles and graphs."""
     if host:
         def arrays(net):
-            return [(m.weight.detach().numpy().T, m.bias.detach().numpy()) for m in net if isinstance(m, nn.Linear)]
+            return [(params[f"{net}.{i}.weight"].numpy().swapaxes(1, 2), params[f"{net}.{i}.bias"].numpy()[:, None]) for i in (0, 2, 4)]
 
-        actor, critic, logstd = arrays(agent.actor_mean), arrays(agent.critic), agent.actor_logstd.detach().numpy()
+        actor, critic, logstd = arrays("actor_mean"), arrays("critic"), params["actor_logstd"].numpy()
         rng = np.random.default_rng(seed)
 
         def mlp(x, layers):
@@ -376,36 +379,29 @@ def make_policy(agent, host, seed=0):
             return x @ layers[-1][0] + layers[-1][1]
 
         def host_policy(obs):
-            x = obs.numpy()
+            x = obs.numpy().reshape(num_seeds, -1, obs.shape[-1])
             action_mean = mlp(x, actor)
             noise = rng.standard_normal(action_mean.shape, dtype=np.float32)
-            logprob = (-0.5 * np.square(noise) - logstd - LOG_SQRT_2PI).sum(1)
+            logprob = (-0.5 * np.square(noise) - logstd - LOG_SQRT_2PI).sum(2)
             action = action_mean + np.exp(logstd) * noise
-            return torch.from_numpy(action), torch.from_numpy(logprob), torch.from_numpy(mlp(x, critic)[:, 0])
+            return torch.from_numpy(action.reshape(-1, action.shape[-1])), torch.from_numpy(logprob.ravel()), torch.from_numpy(mlp(x, critic).ravel())
 
         return host_policy
 
+    if num_seeds == 1:
+        forward = agent
+    else:
+        vmapped = torch.func.vmap(lambda p, x: torch.func.functional_call(agent, p, (x,)))
+
+        def forward(obs):
+            return tuple(x.flatten(0, 1) for x in vmapped(params, obs.view(num_seeds, -1, obs.shape[-1])))
+
     def policy(obs):
-        action_mean, logstd, value = agent(obs)
+        action_mean, logstd, value = forward(obs)
         noise = torch.randn_like(action_mean)
         action = action_mean + logstd.exp() * noise
         logprob = (-0.5 * noise.pow(2) - logstd - LOG_SQRT_2PI).sum(1)
         return action, logprob, value
-
-    return policy
-
-
-def make_seeds_policy(agent, params, num_seeds):
-    """make_policy for stacked seeds (`stack_seeds`): observations [seeds * envs, n_obs], seed k's
-    envs in block k, each block through its own seed's weights (torch.func.vmap)."""
-    forward = torch.func.vmap(lambda p, x: torch.func.functional_call(agent, p, (x,)))
-
-    def policy(obs):
-        action_mean, logstd, value = forward(params, obs.view(num_seeds, -1, obs.shape[-1]))
-        noise = torch.randn_like(action_mean)
-        action = action_mean + logstd.exp() * noise
-        logprob = (-0.5 * noise.pow(2) - logstd - LOG_SQRT_2PI).sum(2)
-        return action.flatten(0, 1), logprob.flatten(), value.flatten()
 
     return policy
 
@@ -1019,28 +1015,27 @@ def main(args: Args):
     named = agent.named_parameters() if num_seeds == 1 else params.items()
     optimizer = Adam(named, lr, eps=1e-5, fused=not args.compile, capturable=device.type == "cuda")
 
-    # Acting in numpy on a CPU, for one agent (stacked seeds act through vmap).
-    host = device.type == "cpu" and num_seeds == 1
+    # Acting in numpy on a CPU; elsewhere in torch, one agent through its detached view, stacked
+    # seeds through vmap.
+    host = device.type == "cpu"
     if num_seeds == 1:
         params.to_module(agent_inference)
-        policy = make_policy(agent_inference, host=host, seed=args.seed + rank)
-    else:
-        policy = make_seeds_policy(agent_inference, dict(params.items()), num_seeds)
+    seed_params = {name: p.detach().unsqueeze(0) for name, p in agent.named_parameters()} if num_seeds == 1 else dict(params.items())
+    policy = make_policy(agent_inference, seed_params, num_seeds, host, seed=args.seed + rank)
     gae = make_gae(args.gamma, args.gae_lambda)
     update = make_update(agent, optimizer, args, world_size, num_seeds)
     # What --compile compiles (2-core CPU, torch 2.13, one thread, minibatch 64):
     # - update: 2.0 ms eager, 0.32 ms compiled (one graph); inductor's C++ wrapper measured
     #   0.26-0.27 ms alone but no faster in whole runs, and adds 7 s to a cold compile. Compiled
     #   on every device;
-    # - policy: numpy on a CPU for one agent (make_policy); compiled elsewhere, with inductor's C++
-    #   wrapper on a CPU (stacked seeds);
+    # - policy: numpy on a CPU (make_policy); compiled elsewhere;
     # - gae: a sequential loop of num_steps steps (28 ms per 2048 here); compiling it would unroll
     #   all of them into one graph, so it stays eager;
     # - Normalization is numpy on the host (see the class).
     if args.compile:
         update = torch.compile(update, fullgraph=True, options={"guard_filter_fn": value_guards})
         if not host:
-            policy = torch.compile(policy, options={"guard_filter_fn": value_guards, "cpp_wrapper": device.type == "cpu"})
+            policy = torch.compile(policy, options={"guard_filter_fn": value_guards})
     if cudagraphs:
         update = CudaGraphModule(update)
         policy = CudaGraphModule(policy)

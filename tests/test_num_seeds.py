@@ -229,16 +229,21 @@ def ppo_case(ppo, seed=0):
     return agents, rollouts, idx
 
 
-def test_ppo_stacked_policy_acts_with_each_seeds_agent(ppo):
+@pytest.mark.parametrize("host", [True, False], ids=["numpy", "torch"])
+def test_ppo_stacked_policy_acts_with_each_seeds_agent(ppo, host):
     """Sub-env block k gets seed k's value, and a log-probability that is the density of its
-    sampled action under seed k's Gaussian."""
+    sampled action under seed k's Gaussian (each seed its own log-std), in numpy (a CPU) and in
+    torch (vmap)."""
     agents, _, _ = ppo_case(ppo)
+    for k, agent in enumerate(agents):
+        agent.actor_logstd.data.fill_(-0.5 * k)
     params = ppo.stack_seeds(agents)
     meta = ppo.Agent(P_OBS, P_ACT, device="meta")
-    policy = ppo.make_seeds_policy(meta, dict(params.items()), N)
+    policy = ppo.make_policy(meta, dict(params.items()), N, host)
     obs = torch.randn(N * 5, P_OBS)
     with torch.no_grad():
         action, logprob, value = policy(obs)
+        assert action.shape == (N * 5, P_ACT) and logprob.shape == value.shape == (N * 5,)
         for k, (agent, block) in enumerate(zip(agents, obs.view(N, 5, P_OBS))):
             mean, logstd, expected_value = agent(block)
             rows = slice(5 * k, 5 * (k + 1))
@@ -291,7 +296,7 @@ def test_ppo_atari_stacked_policy_acts_with_each_seeds_agent(atari):
     seed k's logits. Tolerance: torch's float32 default (batched convolutions)."""
     agents, _, _ = atari_case(atari)
     params = atari.stack_seeds(agents)
-    policy = atari.make_seeds_policy(atari.Agent(A_ACT, device="meta"), dict(params.items()), A_N)
+    policy = atari.make_policy(atari.Agent(A_ACT, device="meta"), dict(params.items()), A_N)
     obs = torch.randint(0, 256, (A_N * 3, 4, 84, 84), dtype=torch.uint8)
     with torch.no_grad():
         action, logprob, value = policy(obs)

@@ -227,7 +227,7 @@ def test_policy_samples_the_categorical_it_reports(lean):
     with torch.no_grad():
         agent.actor.weight.zero_()
         agent.actor.bias.copy_(logits)
-        policy = lean.make_policy(agent)
+        policy = lean.make_policy(agent, None, 1)
         obs = torch.zeros(500, 4, 84, 84, dtype=torch.uint8)
         actions, logprobs = zip(*[policy(obs)[:2] for _ in range(20)])
     actions, logprobs = torch.cat(actions), torch.cat(logprobs)

@@ -237,7 +237,8 @@ def test_policy_acts_from_the_agent_and_sees_every_update(lean, host):
     torch.manual_seed(0)
     agent = lean.Agent(5, 3)
     agent.actor_logstd.data.fill_(-0.5)
-    policy = lean.make_policy(agent, host, seed=1)
+    params = {name: p.detach().unsqueeze(0) for name, p in agent.named_parameters()}
+    policy = lean.make_policy(agent, params, 1, host, seed=1)
     obs = torch.randn(4096, 5)
     for _ in range(2):
         action, logprob, value = policy(obs)
