@@ -358,7 +358,7 @@ def make_policy(agent, params, num_seeds, host, seed=0):
     """Acting: for observations [seeds * envs, n_obs] (seed k's envs in block k), one forward of
     each seed's actor and critic, without autograd; the action's noise is drawn here. `params`:
     the agents' parameters with a leading seed dimension (`stack_seeds`, or one agent's
-    unsqueezed); `agent`, its structure for torch (a meta-device Agent holding one seed's views).
+    unsqueezed); `agent`, a meta-device Agent for torch (with one seed, holding its views).
     `host` (a CPU): in numpy, on views of the parameters (`Tensor.numpy()` shares their memory,
     so every Adam step is seen at once), with noise from a numpy generator seeded with `seed`
     (the seeds share it): for a few observations a numpy op costs under a microsecond and a torch
