@@ -30,7 +30,12 @@ SCRIPTS = ROOT / "leanrl"
 # pay, and beside any other process OpenMP's spinning threads stall (a 0.7 ms PPO minibatch
 # took 46 ms with two threads beside one busy process).
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
-MODES = {"eager": [], "compile": ["--compile"], "cudagraphs": ["--cudagraphs"], "compile+cudagraphs": ["--compile", "--cudagraphs"]}
+MODES = {
+    "eager": [],
+    "compile": ["--compile"],
+    "cudagraphs": ["--cudagraphs"],
+    "compile+cudagraphs": ["--compile", "--cudagraphs"],
+}
 
 # Per family: the env, the arguments every mode shares and the total env steps per profile:
 # "quick" runs the whole benchmark in minutes (the README's table), "full" over longer budgets,
@@ -38,50 +43,74 @@ MODES = {"eager": [], "compile": ["--compile"], "cudagraphs": ["--cudagraphs"], 
 # whose matmuls and convolutions the arithmetic ceiling replays, and the env steps that run trains
 # on. A family missing here is no error: it runs with DEFAULT, its script's own env and defaults,
 # and gets no ceilings.
-DEFAULT = dict(env_id=None, num_envs=1, args=[], budget=dict(full=20000, quick=5000, tiny=256), tiny_args=[], arith=None, envpool=False)
+DEFAULT = dict(
+    env_id=None, num_envs=1, args=[], budget=dict(full=20000, quick=5000, tiny=256), tiny_args=[], arith=None, envpool=False
+)
 # off-policy: 300 training steps after 256 acting ones (their single-row forwards are recorded too,
 # well under 1% of the replay time)
 OFF_POLICY_ARITH = dict(args=["--learning-starts", "256", "--total-timesteps", "556"], steps=300)
 # SAC and TD3: quick makes 300 updates after learning starts
 MUJOCO_OFF_POLICY = dict(
-    env_id="HalfCheetah-v5", args=["--learning-starts", "1000"], budget=dict(full=7000, quick=1300, tiny=200),
-    tiny_args=["--env-id", "Pendulum-v1", "--learning-starts", "64", "--batch-size", "32"], arith=OFF_POLICY_ARITH,
+    env_id="HalfCheetah-v5",
+    args=["--learning-starts", "1000"],
+    budget=dict(full=7000, quick=1300, tiny=200),
+    tiny_args=["--env-id", "Pendulum-v1", "--learning-starts", "64", "--batch-size", "32"],
+    arith=OFF_POLICY_ARITH,
 )
 FAMILIES = {
     # PPO: iterations of 2048 steps, the first of them warm-up; quick times two
     "ppo_continuous_action": dict(
-        env_id="HalfCheetah-v5", args=["--num-steps", "2048"], budget=dict(full=22528, quick=6144, tiny=256),
+        env_id="HalfCheetah-v5",
+        args=["--num-steps", "2048"],
+        budget=dict(full=22528, quick=6144, tiny=256),
         tiny_args=["--env-id", "InvertedPendulum-v5", "--num-steps", "64", "--num-minibatches", "2", "--update-epochs", "2"],
         arith=dict(args=["--num-steps", "2048", "--total-timesteps", "4096"], steps=4096),
     ),
     "sac_continuous_action": MUJOCO_OFF_POLICY,
     "td3_continuous_action": MUJOCO_OFF_POLICY,
     "dqn": dict(
-        env_id="CartPole-v1", args=["--learning-starts", "1000"], budget=dict(full=20000, quick=12000, tiny=300),
-        tiny_args=["--learning-starts", "100", "--batch-size", "32"], arith=OFF_POLICY_ARITH,
+        env_id="CartPole-v1",
+        args=["--learning-starts", "1000"],
+        budget=dict(full=20000, quick=12000, tiny=300),
+        tiny_args=["--learning-starts", "100", "--batch-size", "32"],
+        arith=OFF_POLICY_ARITH,
     ),
     # Atari PPO: iterations of 8 x 128 steps, the first of them warm-up
     "ppo_atari_envpool": dict(
-        env_id="Breakout-v5", num_envs=8, envpool=True, budget=dict(full=12288, quick=2048, tiny=64),
-        tiny_args=["--num-envs", "2", "--num-steps", "16"], arith=dict(args=["--total-timesteps", "2048"], steps=2048),
+        env_id="Breakout-v5",
+        num_envs=8,
+        envpool=True,
+        budget=dict(full=12288, quick=2048, tiny=64),
+        tiny_args=["--num-envs", "2", "--num-steps", "16"],
+        arith=dict(args=["--total-timesteps", "2048"], steps=2048),
     ),
     # PQN: iterations of 4 x 128 steps, the first of them warm-up
     "pqn": dict(
-        env_id="CartPole-v1", num_envs=4, budget=dict(full=102400, quick=20480, tiny=512),
+        env_id="CartPole-v1",
+        num_envs=4,
+        budget=dict(full=102400, quick=20480, tiny=512),
         tiny_args=["--num-envs", "2", "--num-steps", "64", "--num-minibatches", "2", "--update-epochs", "2"],
         arith=dict(args=["--total-timesteps", "1024"], steps=1024),
     ),
     # Atari PQN: iterations of 8 x 128 steps, the first of them warm-up
     "pqn_atari_envpool": dict(
-        env_id="Breakout-v5", num_envs=8, envpool=True, budget=dict(full=12288, quick=2048, tiny=64),
-        tiny_args=["--num-envs", "2", "--num-steps", "16"], arith=dict(args=["--total-timesteps", "2048"], steps=2048),
+        env_id="Breakout-v5",
+        num_envs=8,
+        envpool=True,
+        budget=dict(full=12288, quick=2048, tiny=64),
+        tiny_args=["--num-envs", "2", "--num-steps", "16"],
+        arith=dict(args=["--total-timesteps", "2048"], steps=2048),
     ),
 }
 
 
 def families():
     """Every plain script in leanrl/ that has a `_torchcompile` twin, found by glob."""
-    return sorted(p.stem.removesuffix("_torchcompile") for p in SCRIPTS.glob("*_torchcompile.py") if (SCRIPTS / p.name.replace("_torchcompile", "")).exists())
+    return sorted(
+        p.stem.removesuffix("_torchcompile")
+        for p in SCRIPTS.glob("*_torchcompile.py")
+        if (SCRIPTS / p.name.replace("_torchcompile", "")).exists()
+    )
 
 
 def config(family):
@@ -90,9 +119,17 @@ def config(family):
 
 def machine():
     import torch
+
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), cpu)
+        cpu = next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            cpu,
+        )
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"cpu": cpu, "cores": os.cpu_count(), "gpu": gpu, "torch": torch.__version__, "python": platform.python_version()}
 
@@ -106,7 +143,9 @@ def plan(fams, seeds, profile, cuda, steps=None):
     for seed in seeds:
         for fam in fams:
             cfg = config(fam)
-            shared = cfg["tiny_args"] if profile == "tiny" else (["--env-id", cfg["env_id"]] if cfg["env_id"] else []) + cfg["args"]
+            shared = (
+                cfg["tiny_args"] if profile == "tiny" else (["--env-id", cfg["env_id"]] if cfg["env_id"] else []) + cfg["args"]
+            )
             base = ["--total-timesteps", str(steps or cfg["budget"][profile]), *shared, "--seed", str(seed)]
             lean = SCRIPTS / f"{fam}_torchcompile.py"
             runs.append((fam, SCRIPTS / f"{fam}.py", "plain", seed, base))
@@ -140,7 +179,15 @@ def run_one(script, argv, log, timeout, timed=True, cache=None):
         env["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
     with open(log, "w") as err:
         # its own process group, so that a timeout or Ctrl-C also stops anything it started
-        proc = subprocess.Popen([sys.executable, str(script), *argv], stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=log.parent, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, str(script), *argv],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env=env,
+            cwd=log.parent,
+            start_new_session=True,
+        )
         try:
             stdout = proc.communicate(timeout=timeout)[0]
         except subprocess.TimeoutExpired:
@@ -203,7 +250,11 @@ def run_all(runs, out, timeout):
             cold.add((script, mode))
             results.append(record)
             print(json.dumps(record), file=sink, flush=True)
-            print(f"  {summary['sps']:,.0f} steps/s after warm-up, warm-up {summary.get('warmup_s') or 0:.1f} s, return {summary.get('episodic_return')}", flush=True)
+            print(
+                f"  {summary['sps']:,.0f} steps/s after warm-up, warm-up {summary.get('warmup_s') or 0:.1f} s, "
+                f"return {summary.get('episodic_return')}",
+                flush=True,
+            )
     return results
 
 
@@ -232,10 +283,12 @@ def summarize(results, skipped, ceilings, info):
     """The Markdown table: per family and mode, the median steps/s over seeds and its min-max,
     and the median over seeds of the paired ratio lean/plain with its min-max."""
     rows = [
-        f"Machine: {info['cpu']}, {info['cores']} cores, GPU: {info['gpu'] or 'none'}; torch {info['torch']}, Python {info['python']}.",
+        f"Machine: {info['cpu']}, {info['cores']} cores, GPU: {info['gpu'] or 'none'}; "
+        f"torch {info['torch']}, Python {info['python']}.",
         f"Command: `{info['command']}` (profile `{info['profile']}`, seeds {info['seeds']}).",
         "",
-        "| algorithm | script | mode | steps/s (median) | min-max | vs plain (median) | vs plain min-max | of env ceiling | of arithmetic ceiling | warm-up s cold | warm-up s warm | peak RSS MB | return (median) |",
+        "| algorithm | script | mode | steps/s (median) | min-max | vs plain (median) | vs plain min-max | of env ceiling "
+        "| of arithmetic ceiling | warm-up s cold | warm-up s warm | peak RSS MB | return (median) |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     cells, na = by_cell(results), {(fam, mode) for fam, _, mode in skipped}
@@ -252,21 +305,30 @@ def summarize(results, skipped, ceilings, info):
                 cols = [fam, cell[0]["script"], mode, f"{med:,.0f}", f"{min(sps):,.0f}-{max(sps):,.0f}"]
                 cols += [f"{statistics.median(ratios):.2f}x", f"{min(ratios):.2f}-{max(ratios):.2f}"] if ratios else ["", ""]
                 cols += [f"{med / ceil[c]['sps']:.0%}" if c in ceil else "" for c in ("env", "arith")]
-                cols += [of_cell([r for r in cell if r.get("cold")], "warmup_s", ".1f"), of_cell([r for r in cell if not r.get("cold")], "warmup_s", ".1f")]
+                cols += [
+                    of_cell([r for r in cell if r.get("cold")], "warmup_s", ".1f"),
+                    of_cell([r for r in cell if not r.get("cold")], "warmup_s", ".1f"),
+                ]
                 cols += [of_cell(cell, "peak_rss_mb", ",.0f", max), of_cell(cell, "episodic_return", ".1f")]
                 rows.append("| " + " | ".join(cols) + " |")
     rows += [
         "",
         "steps/s: after warm-up, one thread, pinned to one core; median and min-max over seeds. "
-        "warm-up: seconds to the first log point with 3 updates done; cold: the first seed, with empty compile caches; warm: the median of the other seeds, whose compiles hit the caches. "
-        "vs plain: per seed, the run's steps/s over the plain script's run of that seed (run just before it); the median and min-max of those ratios.",
+        "warm-up: seconds to the first log point with 3 updates done; cold: the first seed, with empty compile caches; "
+        "warm: the median of the other seeds, whose compiles hit the caches. "
+        "vs plain: per seed, the run's steps/s over the plain script's run of that seed (run just before it); "
+        "the median and min-max of those ratios.",
     ]
     rows += ["", "Ceilings (steps/s):", ""] if ceilings else []
     for fam, ceil in ceilings.items():
         cfg, a = config(fam), ceil.get("arith")
         rows.append(
             f"- {fam}: env alone {ceil['env']['sps']:,.0f} ({cfg['env_id']}, {cfg['num_envs']} env, random actions)"
-            + (f"; dense ops alone {a['sps']:,.0f} ({a['gflop_per_step']:.3g} GFLOP per step at {a['gflops']:.0f} GFLOP/s)" if a else "")
+            + (
+                f"; dense ops alone {a['sps']:,.0f} ({a['gflop_per_step']:.3g} GFLOP per step at {a['gflops']:.0f} GFLOP/s)"
+                if a
+                else ""
+            )
         )
     return "\n".join(rows) + "\n"
 
@@ -275,8 +337,10 @@ def plot(results, out_dir):
     """Per family: steps/s per mode (bar: median, whiskers: min-max over seeds), and each run's
     return against wall-clock seconds and against env steps (a faster mode should learn alike per step)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     paths = []
     for fam in dict.fromkeys(r["family"] for r in results):
         cells = {mode: cell for (f, mode), cell in by_cell(results).items() if f == fam}
@@ -306,10 +370,21 @@ def plot(results, out_dir):
 
 def main(argv=None):
     known = families()
-    parser = argparse.ArgumentParser(prog="run.sh", description="Benchmark LeanRL: each plain script against its lean twin in every mode, over seeds.")
-    parser.add_argument("--profile", choices=["quick", "full", "tiny"], default="full", help="budget per run (FAMILIES in benchmark/bench.py)")
+    parser = argparse.ArgumentParser(
+        prog="run.sh", description="Benchmark LeanRL: each plain script against its lean twin in every mode, over seeds."
+    )
+    parser.add_argument(
+        "--profile", choices=["quick", "full", "tiny"], default="full", help="budget per run (FAMILIES in benchmark/bench.py)"
+    )
     parser.add_argument("--quick", action="store_const", const="quick", dest="profile", help="same as --profile quick")
-    parser.add_argument("--scripts", nargs="+", default=known, choices=known, metavar="FAMILY", help=f"families to run (default: all): {', '.join(known)}")
+    parser.add_argument(
+        "--scripts",
+        nargs="+",
+        default=known,
+        choices=known,
+        metavar="FAMILY",
+        help=f"families to run (default: all): {', '.join(known)}",
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=None, help="seeds (default: 1 2 3 4 5; 1 for tiny)")
     parser.add_argument("--steps", type=int, default=None, help="total env steps of every run, instead of the profile's")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: bench_results/<profile>-<time>)")
@@ -322,7 +397,12 @@ def main(argv=None):
     seeds = args.seeds or ([1] if args.profile == "tiny" else [1, 2, 3, 4, 5])
     out = (args.out or ROOT / "bench_results" / f"{args.profile}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    info = {**machine(), "profile": args.profile, "seeds": seeds, "command": "./run.sh " + " ".join(argv if argv is not None else sys.argv[1:])}
+    info = {
+        **machine(),
+        "profile": args.profile,
+        "seeds": seeds,
+        "command": "./run.sh " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
     runs, skipped = plan(args.scripts, seeds, args.profile, torch.cuda.is_available(), args.steps)
     for fam, script, mode in skipped:
         print(f"n/a: {script.name} {mode} needs CUDA; reported as not applicable", flush=True)

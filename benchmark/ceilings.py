@@ -30,14 +30,20 @@ def env_ceiling(env_id, num_envs, envpool_env=False, seconds=5.0):
     """Steps per second of the env alone (random actions, no learning, same vector API and number
     of envs): no script on this env can beat it."""
     import numpy as np
+
     if envpool_env:
         import envpool
+
         envs = envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, episodic_life=True, reward_clip=True, seed=1)
         envs.reset()
         step = lambda: envs.step(np.random.randint(0, envs.action_space.n, num_envs))  # noqa: E731
     else:
         import gymnasium as gym
-        envs = gym.vector.SyncVectorEnv([lambda: gym.wrappers.RecordEpisodeStatistics(gym.make(env_id)) for _ in range(num_envs)], autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+
+        envs = gym.vector.SyncVectorEnv(
+            [lambda: gym.wrappers.RecordEpisodeStatistics(gym.make(env_id)) for _ in range(num_envs)],
+            autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
+        )
         envs.action_space.seed(1)
         envs.reset(seed=1)
         step = lambda: envs.step(envs.action_space.sample())  # noqa: E731
@@ -52,7 +58,8 @@ import contextlib, io, json, runpy, sys, torch
 from torch.utils._python_dispatch import TorchDispatchMode
 out, script, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
 aten = torch.ops.aten
-DENSE = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.convolution.default, aten.convolution_backward.default}
+DENSE = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+         aten.convolution.default, aten.convolution_backward.default}
 def spec(a):  # a tensor as its shape and whether its last two dims are transposed; the rest as is
     return {"shape": list(a.shape), "t": a.dim() in (2, 3) and a.stride(-1) != 1} if isinstance(a, torch.Tensor) else a
 seen = []
@@ -85,9 +92,16 @@ def arithmetic_ceiling(script, argv, steps, work_dir, seconds=3.0):
     on `steps` env steps, records each one's shapes and layout; they are replayed in a tight loop
     with one thread, and one pass serves those env steps."""
     import torch
+
     out = (Path(work_dir) / f"dense_ops_{Path(script).stem}.json").resolve()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    subprocess.run([sys.executable, "-c", RECORD_DENSE_OPS, str(out), str(script), *argv], check=True, cwd=work_dir, capture_output=True, env=env)
+    subprocess.run(
+        [sys.executable, "-c", RECORD_DENSE_OPS, str(out), str(script), *argv],
+        check=True,
+        cwd=work_dir,
+        capture_output=True,
+        env=env,
+    )
     torch.set_num_threads(1)
 
     def tensor(a):

@@ -21,20 +21,37 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from conftest import TINY, family, is_lean  # noqa: E402
 
-MODES = {"eager": [], "compile": ["--compile"], "cudagraphs": ["--cudagraphs"], "compile+cudagraphs": ["--compile", "--cudagraphs"],
-         "seeds2+compile+cudagraphs": ["--num-seeds", "2", "--compile", "--cudagraphs"]}
+MODES = {
+    "eager": [],
+    "compile": ["--compile"],
+    "cudagraphs": ["--cudagraphs"],
+    "compile+cudagraphs": ["--compile", "--cudagraphs"],
+    "seeds2+compile+cudagraphs": ["--num-seeds", "2", "--compile", "--cudagraphs"],
+}
 
 
 def check(script, mode, out):
     tag = f"{script.stem}-{mode}"
     probe, workdir = out / f"{tag}.graphs.json", out / "runs-cwd"
     workdir.mkdir(exist_ok=True)
-    env = {**os.environ, "TORCH_LOGS": "recompiles", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled",
-           "LEANRL_GRAPH_PROBE": str(probe), "PYTHONPATH": str(ROOT / "benchmark" / "cuda_probe")}
+    env = {
+        **os.environ,
+        "TORCH_LOGS": "recompiles",
+        "OMP_NUM_THREADS": "1",
+        "WANDB_MODE": "disabled",
+        "LEANRL_GRAPH_PROBE": str(probe),
+        "PYTHONPATH": str(ROOT / "benchmark" / "cuda_probe"),
+    }
     start = time.perf_counter()
     try:
-        proc = subprocess.run([sys.executable, str(script), *TINY[family(script)], *MODES[mode]],
-                              cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, str(script), *TINY[family(script)], *MODES[mode]],
+            cwd=workdir,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
     except subprocess.TimeoutExpired:
         code, stdout, stderr = "timeout", "", ""
@@ -52,8 +69,19 @@ def check(script, mode, out):
         problems.append("graphs not captured and replayed")
     if "cudagraphs" not in mode and graphs["captures"]:
         problems.append("graphs captured without --cudagraphs")
-    return [script.name, mode, code, summary.get("device"), summary.get("updates"), summary.get("sps"),
-            graphs["captures"], graphs["replays"], recompiles, round(time.perf_counter() - start, 1), "; ".join(problems) or "ok"]
+    return [
+        script.name,
+        mode,
+        code,
+        summary.get("device"),
+        summary.get("updates"),
+        summary.get("sps"),
+        graphs["captures"],
+        graphs["replays"],
+        recompiles,
+        round(time.perf_counter() - start, 1),
+        "; ".join(problems) or "ok",
+    ]
 
 
 def main():
@@ -69,19 +97,41 @@ def main():
     if not torch.cuda.is_available():
         print("error: no CUDA device: this check is for a machine with a GPU", file=sys.stderr)
         sys.exit(2)
-    jobs = [(s, m) for s in sorted((ROOT / "leanrl").glob("*.py")) for m in (MODES if is_lean(s) else ["eager"])
-            if "seeds" not in m or "num_seeds: int" in s.read_text()]
+    jobs = [
+        (s, m)
+        for s in sorted((ROOT / "leanrl").glob("*.py"))
+        for m in (MODES if is_lean(s) else ["eager"])
+        if "seeds" not in m or "num_seeds: int" in s.read_text()
+    ]
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         rows = list(pool.map(lambda job: check(*job, out), jobs))
     head = ["script", "mode", "exit", "device", "updates", "sps", "captures", "replays", "recompiles", "seconds", "verdict"]
-    table = [f"# CUDA check: {torch.cuda.get_device_name()}, torch {torch.__version__}", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    table = [
+        f"# CUDA check: {torch.cuda.get_device_name()}, torch {torch.__version__}",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
     table += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
     failed = sum(row[-1] != "ok" for row in rows)
     table += ["", f"{len(rows) - failed} passed, {failed} failed"]
     if not args.no_bench:
-        bench = subprocess.run([sys.executable, str(ROOT / "benchmark" / "bench.py"), "--profile", "tiny", "--seeds", "1",
-                                "--no-ceilings", "--out", str(out / "bench")], capture_output=True, text=True, timeout=600)
+        bench = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "benchmark" / "bench.py"),
+                "--profile",
+                "tiny",
+                "--seeds",
+                "1",
+                "--no-ceilings",
+                "--out",
+                str(out / "bench"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         table_md = out / "bench" / "table.md"
         table += ["", f"## ./run.sh --profile tiny --seeds 1 (exit {bench.returncode})", ""]
         table += [table_md.read_text() if table_md.exists() else bench.stderr[-2000:]]

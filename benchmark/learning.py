@@ -24,7 +24,9 @@ import bench  # noqa: E402  (the runner and the curve reader are the speed bench
 # budget where the curve still rises on a task that is not saturated; "quick" runs all pairs over
 # 3 seeds in under 20 minutes on 2 cores, where the smaller budgets show the start of learning.
 PAIRS = {
-    "ppo_continuous_action": dict(full=(["--env-id", "HalfCheetah-v5"], 300_000), quick=(["--env-id", "HalfCheetah-v5"], 40_960)),
+    "ppo_continuous_action": dict(
+        full=(["--env-id", "HalfCheetah-v5"], 300_000), quick=(["--env-id", "HalfCheetah-v5"], 40_960)
+    ),
     "sac_continuous_action": dict(
         full=(["--env-id", "HalfCheetah-v5"], 100_000), quick=(["--env-id", "Pendulum-v1", "--learning-starts", "1000"], 5_000)
     ),
@@ -63,7 +65,11 @@ def run_all(runs, out, jobs, timeout):
         log = out / "logs" / f"{pair}__{side}__seed{seed}.log"
         summary = bench.run_one(script, argv, log, timeout, timed=False)
         status = "failed: see " + str(log) if summary is None else f"return {summary.get('episodic_return')}"
-        print(f"[{len(done) + 1}/{len(runs)}] {pair} {side} seed {seed}: {status} ({bench.duration(time.perf_counter() - start)})", flush=True)
+        print(
+            f"[{len(done) + 1}/{len(runs)}] {pair} {side} seed {seed}: {status} "
+            f"({bench.duration(time.perf_counter() - start)})",
+            flush=True,
+        )
         done.append(run)
         return None if summary is None else {"pair": pair, "side": side, **summary}
 
@@ -91,8 +97,10 @@ def merge(folders):
             r = json.loads(line)
             first = task.setdefault(r["pair"], (r["env_id"], r["total_steps"], folder))
             if first[:2] != (r["env_id"], r["total_steps"]):
-                parser_error(f"{r['pair']} ran {first[0]} for {first[1]:,} steps in {first[2]} and {r['env_id']} for "
-                             f"{r['total_steps']:,} in {folder}: merge runs of one profile")
+                parser_error(
+                    f"{r['pair']} ran {first[0]} for {first[1]:,} steps in {first[2]} and {r['env_id']} for "
+                    f"{r['total_steps']:,} in {folder}: merge runs of one profile"
+                )
             runs[(r["pair"], r["side"], r["seed"])] = r
             read += 1
     return list(runs.values()), read - len(runs)
@@ -141,7 +149,9 @@ def summarize(results, info):
         plain, lean = finals(results, pair, "plain"), finals(results, pair, "lean")
         first = next(r for r in results if r["pair"] == pair)
         cols = [pair, first["env_id"], f"{first['total_steps']:,}"]
-        cols += [f"{np.mean(v):.1f} ± {np.std(v, ddof=1) if len(v) > 1 else 0:.1f} (n={len(v)})" if v else "" for v in (plain, lean)]
+        cols += [
+            f"{np.mean(v):.1f} ± {np.std(v, ddof=1) if len(v) > 1 else 0:.1f} (n={len(v)})" if v else "" for v in (plain, lean)
+        ]
         if len(plain) > 1 and len(lean) > 1:
             lo, hi = bootstrap_interval(plain, lean)
             cols += [f"{np.mean(lean) - np.mean(plain):+.1f}", f"[{lo:+.1f}, {hi:+.1f}]", "yes" if lo <= 0 <= hi else "**no**"]
@@ -159,12 +169,14 @@ def summarize(results, info):
 def plot(results, path):
     """Return against env steps per pair: mean over seeds and the min-max band, plain and lean."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     pairs = list(dict.fromkeys(r["pair"] for r in results))
     cols = min(4, len(pairs))
     fig, axes = plt.subplots(-(-len(pairs) // cols), cols, figsize=(4.2 * cols, 3.6 * -(-len(pairs) // cols)), squeeze=False)
-    for ax in axes.flat[len(pairs):]:
+    for ax in axes.flat[len(pairs) :]:
         ax.axis("off")
     for ax, pair in zip(axes.flat, pairs):
         for color, side in (("grey", "plain"), ("C0", "lean")):
@@ -184,21 +196,40 @@ def plot(results, path):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="run.sh --learning", description="Plain against lean --compile: learning curves and final returns over seeds.")
+    parser = argparse.ArgumentParser(
+        prog="run.sh --learning", description="Plain against lean --compile: learning curves and final returns over seeds."
+    )
     parser.add_argument("--quick", action="store_true", help="3 seeds, short budgets: under 20 minutes on 2 cores")
-    parser.add_argument("--pairs", nargs="+", default=list(PAIRS), choices=list(PAIRS), metavar="PAIR", help=f"pairs to run (default: all): {', '.join(PAIRS)}")
+    parser.add_argument(
+        "--pairs",
+        nargs="+",
+        default=list(PAIRS),
+        choices=list(PAIRS),
+        metavar="PAIR",
+        help=f"pairs to run (default: all): {', '.join(PAIRS)}",
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=None, help="seeds (default: 1-5, or 1-3 with --quick)")
     parser.add_argument("--steps", type=int, default=None, help="env steps of every run, instead of the profile's")
     parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=list(SIDES), help="plain, lean or both (default)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each (default 2)")
-    parser.add_argument("--out", type=Path, default=None, help="output folder (default: bench_results/learning-<profile>-<time>)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="output folder (default: bench_results/learning-<profile>-<time>)"
+    )
     parser.add_argument("--timeout", type=int, default=6 * 3600, help="seconds before one run is abandoned")
-    parser.add_argument("--merge", nargs="+", type=Path, default=None, metavar="DIR",
-                        help="run nothing: one table and plot from the results.jsonl of earlier --out folders (seeds run in parts); "
-                             "a run in several folders is taken from the last")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="run nothing: one table and plot from the results.jsonl of earlier --out folders (seeds run in parts); "
+        "a run in several folders is taken from the last",
+    )
     args = parser.parse_args(argv)
     if args.merge and (args.quick or args.seeds or args.steps or args.pairs != list(PAIRS) or args.sides != list(SIDES)):
-        parser_error("--merge runs nothing: drop --quick, --pairs, --seeds, --steps and --sides (the parts' runs are all merged)")
+        parser_error(
+            "--merge runs nothing: drop --quick, --pairs, --seeds, --steps and --sides (the parts' runs are all merged)"
+        )
     profile = "quick" if args.quick else "full"
     seeds = args.seeds or SEEDS[profile]
     out = (args.out or bench.ROOT / "bench_results" / f"learning-{profile}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()

@@ -19,15 +19,23 @@ import bench  # noqa: E402  (the runner is the speed benchmark's)
 # case -> (lean script, shared arguments, settings as (label, launcher, extra arguments)). Budgets
 # hold several log points after warm-up at the largest setting; --total-timesteps is per seed.
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-SEEDS = [(f"{n} seeds", [], ["--num-seeds", str(n)]) for n in (1, 8)] + [("8 seeds, 2 threads", [], ["--num-seeds", "8", "--threads", "2"])]
+SEEDS = [(f"{n} seeds", [], ["--num-seeds", str(n)]) for n in (1, 8)] + [
+    ("8 seeds, 2 threads", [], ["--num-seeds", "8", "--threads", "2"])
+]
 CASES = {
     "dqn --num-seeds": ("dqn", ["--compile", "--learning-starts", "1000", "--total-timesteps", "12000"], SEEDS),
     "pqn --num-seeds": ("pqn", ["--compile", "--total-timesteps", "51200"], SEEDS),
     "ppo_continuous_action --num-seeds": ("ppo_continuous_action", ["--compile", "--total-timesteps", "8192"], SEEDS),
-    "ppo_atari_envpool --num-seeds": ("ppo_atari_envpool", ["--compile", "--total-timesteps", "8192"],
-                                      [(f"{n} seeds", [], ["--num-seeds", str(n)]) for n in (1, 4)]),
-    "ppo_atari_envpool torchrun": ("ppo_atari_envpool", ["--compile", "--total-timesteps", "8192"],
-                                   [(f"{k} ranks", [*TORCHRUN, "--nproc_per_node", str(k)], []) for k in (1, 2)]),
+    "ppo_atari_envpool --num-seeds": (
+        "ppo_atari_envpool",
+        ["--compile", "--total-timesteps", "8192"],
+        [(f"{n} seeds", [], ["--num-seeds", str(n)]) for n in (1, 4)],
+    ),
+    "ppo_atari_envpool torchrun": (
+        "ppo_atari_envpool",
+        ["--compile", "--total-timesteps", "8192"],
+        [(f"{k} ranks", [*TORCHRUN, "--nproc_per_node", str(k)], []) for k in (1, 2)],
+    ),
 }
 
 
@@ -36,7 +44,15 @@ def run(script, launcher, argv, log, timeout):
     env = {**os.environ, **bench.ONE_THREAD, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
     with open(log, "w") as err:
         try:
-            proc = subprocess.run([*(launcher or [sys.executable]), str(script), *argv], stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=log.parent, timeout=timeout)
+            proc = subprocess.run(
+                [*(launcher or [sys.executable]), str(script), *argv],
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                env=env,
+                cwd=log.parent,
+                timeout=timeout,
+            )
         except subprocess.TimeoutExpired:
             return None
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -44,8 +60,17 @@ def run(script, launcher, argv, log, timeout):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="run.sh --scaling", description="Aggregate steps/s with more seeds per process and more processes.")
-    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES), metavar="CASE", help=f"cases (default: all): {'; '.join(CASES)}")
+    parser = argparse.ArgumentParser(
+        prog="run.sh --scaling", description="Aggregate steps/s with more seeds per process and more processes."
+    )
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        default=list(CASES),
+        choices=list(CASES),
+        metavar="CASE",
+        help=f"cases (default: all): {'; '.join(CASES)}",
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: bench_results/scaling-<time>)")
     parser.add_argument("--timeout", type=int, default=1800)
@@ -58,13 +83,27 @@ def main(argv=None):
             family, shared, settings = CASES[case]
             for label, launcher, extra in settings:
                 log = out / "logs" / f"{family}__{label.replace(' ', '').replace(',', '_')}__seed{seed}.log"
-                summary = run(bench.SCRIPTS / f"{family}_torchcompile.py", launcher, [*shared, *extra, "--seed", str(seed)], log, args.timeout)
-                print(f"{case}, {label}, seed {seed}: " + (f"{summary['sps']:,.0f} steps/s" if summary else f"failed: see {log}"), flush=True)
+                summary = run(
+                    bench.SCRIPTS / f"{family}_torchcompile.py",
+                    launcher,
+                    [*shared, *extra, "--seed", str(seed)],
+                    log,
+                    args.timeout,
+                )
+                print(
+                    f"{case}, {label}, seed {seed}: "
+                    + (f"{summary['sps']:,.0f} steps/s" if summary else f"failed: see {log}"),
+                    flush=True,
+                )
                 results.setdefault((case, label), {})[seed] = summary and summary["sps"]
     info = bench.machine()
-    rows = [f"Machine: {info['cpu']}, {info['cores']} cores, GPU: {info['gpu'] or 'none'}; torch {info['torch']}. "
-            f"Command: `./run.sh --scaling {' '.join(argv if argv is not None else sys.argv[1:])}`.".replace("  ", " "), "",
-            "| case | setting | steps/s, all seeds or ranks (median) | over the first setting, per seed (median) | min-max |", "|---|---|---:|---:|---:|"]
+    rows = [
+        f"Machine: {info['cpu']}, {info['cores']} cores, GPU: {info['gpu'] or 'none'}; torch {info['torch']}. "
+        f"Command: `./run.sh --scaling {' '.join(argv if argv is not None else sys.argv[1:])}`.".replace("  ", " "),
+        "",
+        "| case | setting | steps/s, all seeds or ranks (median) | over the first setting, per seed (median) | min-max |",
+        "|---|---|---:|---:|---:|",
+    ]
     for case in args.cases:
         base = results.get((case, CASES[case][2][0][0]), {})
         for label, _, _ in CASES[case][2]:

@@ -207,23 +207,26 @@ def recorded_runs(modules, args, monkeypatch):
     process with one intra-op thread (as the lean scripts set it; another count sums in another
     order); returns per module the metrics of every log point and the final weights of the
     networks its Run.finish saves, as "network.parameter" -> tensor."""
+    import leanrl_utils
+
     threads, runs = torch.get_num_threads(), {}
+    log, finish = leanrl_utils.Run.log, leanrl_utils.Run.finish
     torch.set_num_threads(1)
     try:
         for module in modules:
             logged, final = [], {}
-            log, finish = module.Run.log, module.Run.finish
 
-            def recording_log(self, step, updates, metrics, networks, log=log, logged=logged):
+            def recording_log(self, step, updates, metrics, networks, logged=logged):
                 logged.append({k: float(v) for k, v in metrics.items()})
                 return log(self, step, updates, metrics, networks)
 
-            def recording_finish(self, step, updates, networks, *rest, finish=finish, final=final, **fields):
+            def recording_finish(self, step, updates, networks, *rest, final=final, **fields):
                 final.update({f"{name}.{k}": v.detach().clone() for name, net in networks.items() for k, v in net.state_dict().items()})
                 return finish(self, step, updates, networks, *rest, **fields)
 
-            monkeypatch.setattr(module.Run, "log", recording_log)
-            monkeypatch.setattr(module.Run, "finish", recording_finish)
+            # Run lives in leanrl_utils, shared by every script: patched anew for each module.
+            monkeypatch.setattr(leanrl_utils.Run, "log", recording_log)
+            monkeypatch.setattr(leanrl_utils.Run, "finish", recording_finish)
             module.main(module.Args(**args))
             runs[module] = logged, final
     finally:

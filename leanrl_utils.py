@@ -1,0 +1,881 @@
+"""What every LeanRL script needs and no researcher wants to read twice, as CleanRL's scripts import
+`cleanrl_utils`: argument rules, the run's folder and metrics, the progress bar, signals,
+checkpoints, the summary line, the speed toggles' plumbing, the functional optimizers, seed
+stacking, the forms of a network derived from its `nn.Module`, env wrappers and torchrun helpers.
+A script copied out of the repository runs wherever this module is installed (`pip install leanrl`).
+"""
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn as nn
+import tqdm
+from tensordict import from_module
+from torch.optim.adam import adam
+from torch.optim.radam import radam
+
+try:  # POSIX only: peak memory comes from psutil elsewhere (Windows)
+    import resource
+except ImportError:
+    resource = None
+
+# ---------------------------------------------------------------- ARGUMENTS
+
+# One rule per flag, the same in every script that has the flag.
+COUNTS = (
+    "num_seeds", "threads", "num_envs", "num_steps", "num_minibatches", "update_epochs", "batch_size",
+    "buffer_size", "train_frequency", "target_network_frequency", "policy_frequency",
+)  # fmt: skip
+RULES = {
+    "seed": (lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)"),
+    **{k: (lambda v: v >= 0, "0 or more") for k in ("total_timesteps", "learning_starts", "eval_episodes")},
+    **{k: (lambda v: v >= 1, "1 or more") for k in COUNTS},
+    **{k: (lambda v: math.isfinite(v) and v > 0, "a finite number > 0") for k in ("learning_rate", "q_lr", "policy_lr", "max_grad_norm")},
+    **{k: (lambda v: 0 < v <= 1, "a number in (0, 1]") for k in ("gamma", "tau")},
+    **{k: (lambda v: 0 <= v <= 1, "a number in [0, 1]") for k in ("gae_lambda", "start_e", "end_e", "exploration_fraction")},
+    **{
+        k: (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
+        for k in ("clip_coef", "ent_coef", "vf_coef", "alpha", "policy_noise", "noise_clip", "exploration_noise")
+    },
+    "target_kl": (lambda v: v is None or (math.isfinite(v) and v > 0), "a finite number > 0"),
+}
+
+
+def fail(message):
+    """Bad input ends the run with one line on stderr and exit status 2, never a traceback."""
+    sys.stderr.write(f"error: {message}\n")  # one write: ranks sharing a stderr cannot split it
+    sys.exit(2)
+
+
+def check_args(args):
+    for name, value in vars(args).items():
+        if name in RULES and not RULES[name][0](value):
+            fail(f"--{name.replace('_', '-')} {value} is out of range: use {RULES[name][1]}")
+    if args.total_timesteps == 0 and not args.load_model:
+        fail("--total-timesteps 0 trains nothing: give a budget, or --load-model to evaluate a checkpoint")
+    num_seeds = getattr(args, "num_seeds", 1)
+    if args.seed + num_seeds > 2**32:
+        fail(f"--seed {args.seed} + --num-seeds {num_seeds} passes 2**32: use a smaller seed")
+
+
+def free_memory(device):
+    """Bytes free on `device` (None where it cannot be told)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        import psutil
+
+        return psutil.virtual_memory().available
+    except ImportError:
+        pass
+    try:
+        return next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def check_memory(nbytes, device, what):
+    """One line, before any work, for a buffer that will not fit in the device's free memory."""
+    free = free_memory(torch.device(device))
+    if free is not None and nbytes > free:
+        fail(f"{what} needs {nbytes / 2**30:.1f} GiB and {torch.device(device).type} has {free / 2**30:.1f} GiB free: make it smaller")
+
+
+def peak_rss_mb():
+    """The process's peak resident memory in MiB (None where it cannot be told)."""
+    if resource is not None:  # ru_maxrss: KiB on Linux, bytes on macOS
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 1024)
+    try:
+        import psutil
+
+        info = psutil.Process().memory_info()
+        return getattr(info, "peak_wset", info.rss) / 2**20
+    except ImportError:
+        return None
+
+
+@contextmanager
+def signals_held():
+    """Ctrl-C and SIGTERM wait until the block is done, where the platform can hold them (POSIX)."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def speed_toggles(args, rank=0):
+    """The device, and whether CUDA graphs are on. On a CPU, one intra-op thread unless --threads
+    says more: OpenMP's spinning threads stall small ops beside any other process (measurements
+    in benchmark/RESULTS.md)."""
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    if device.type == "cpu" and hasattr(args, "threads"):
+        torch.set_num_threads(args.threads)
+    cudagraphs = getattr(args, "cudagraphs", False) and device.type == "cuda"
+    if getattr(args, "cudagraphs", False) and not cudagraphs and rank == 0:
+        print("notice: --cudagraphs needs a CUDA device; running without CUDA graphs", file=sys.stderr)
+    return device, cudagraphs
+
+
+# The guards torch.compile checks before each call of a compiled function (its guard_filter_fn):
+# those that tell one value from another (tensor shapes, dtypes and devices, constants, object
+# identities and types, grad mode, the function's own closures), so that an update built again
+# with other tensors or hyper-parameters in the same process compiles anew. Dropped: the checks
+# that modules, hooks, containers and library functions are as they were, which the scripts never
+# change; they cost a tenth of a small compiled update's call.
+VALUE_GUARDS = {"TENSOR_MATCH", "CONSTANT_MATCH", "EQUALS_MATCH", "ID_MATCH", "TYPE_MATCH", "GRAD_MODE"}
+
+
+def value_guards(entries):
+    return [entry.guard_type in VALUE_GUARDS or (entry.guard_type == "CLOSURE_MATCH" and not entry.is_global) for entry in entries]
+
+
+# ---------------------------------------------------------------- CHECKPOINTS
+
+
+def atomic_save(obj, path):
+    """Write then rename: a crash mid-save leaves the previous file whole, never a broken one."""
+    torch.save(obj, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def algorithm_of(script):
+    """The pair a script belongs to: its file name without `_torchcompile` and `.py`."""
+    return Path(script).stem.removesuffix("_torchcompile")
+
+
+def load_checkpoint(path, networks, env_id, algorithm):
+    """Load a checkpoint of either script of the pair into `networks` (name -> module). Tensors
+    and plain types only (weights_only=True): a checkpoint cannot run code."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch.load raises many types for a file that is no checkpoint
+        fail(f"cannot load {path!r} ({type(e).__name__}): pass a file written by --save-model of {algorithm}")
+    saved = checkpoint.get("algorithm") if isinstance(checkpoint, dict) else None
+    if saved != algorithm:
+        fail(f"{path!r} is not a {algorithm} checkpoint ({saved or 'unknown'}): pass one saved by {algorithm}")
+    try:
+        for name, network in networks.items():
+            network.load_state_dict(checkpoint["model"][name])
+    except (KeyError, RuntimeError):
+        hint = f"pass --env-id {checkpoint['env_id']}" if checkpoint["env_id"] != env_id else "use the sizes it was trained with"
+        fail(f"{path!r} holds {algorithm} networks for {checkpoint['env_id']} of other sizes: {hint}")
+
+
+# ---------------------------------------------------------------- RUN
+
+
+class Run:
+    """Around the training loop: the folder runs/<run_name> (TensorBoard events when tensorboard
+    is installed, curve.csv, the checkpoint), wandb with --track, the progress bar, steps/s after
+    warm-up, SIGTERM handled as Ctrl-C, and the one-line JSON summary. Under torchrun only rank 0
+    writes, prints, tracks, saves and evaluates. `script`: the script's `__file__`.
+
+    --num-seeds: one Run per seed (`seed_runs`), each with its own folder, checkpoint and wandb run
+    (one group); the first is the `lead` of the others: it alone handles SIGTERM, shows the bar and
+    prints the summary, all three for every seed, and finishes last."""
+
+    def __init__(self, args, total_steps, script, warmup_updates=3, rank=0, lead=None):
+        self.args, self.warmup_updates, self.main = args, warmup_updates, rank == 0
+        self.script, self.algorithm = os.path.basename(script), algorithm_of(script)
+        self.lead, self.seeds, self.eval_return = lead or self, [self], None
+        if lead:
+            lead.seeds.append(self)
+        self.time = lead.time if lead else int(time.time())
+        self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{self.time}"
+        self.dir = f"runs/{self.name}"
+        self.wandb = self.writer = self.last_good = self.stop_reason = self.warmup_s = self.last_sps = None
+        self.interrupted, self.returns, self.points = False, deque(maxlen=10), []
+        self.step = self.updates = self.warm_step = 0
+        self.total_steps, self.bar = total_steps, None
+        self.start = self.warm_time = time.perf_counter()
+        if not lead:
+            signal.signal(signal.SIGTERM, self.on_sigterm)
+            sys.excepthook = self.on_uncaught
+        if not self.main:
+            self.curve = open(os.devnull, "w")
+            return
+        if args.track:
+            try:
+                import wandb
+            except ImportError:
+                fail("--track needs wandb: pip install wandb (or the extra leanrl[track])")
+            self.wandb = wandb
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+            self.curve = open(f"{self.dir}/curve.csv", "w")
+        except OSError as e:
+            fail(f"cannot write {self.dir} ({e.strerror}): run from a folder you can write to")
+        self.curve.write("step,seconds,episodic_return\n")
+        try:
+            from tensorboard.compat.proto.summary_pb2 import Summary
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer, self.summary = SummaryWriter(self.dir), Summary
+            table = "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
+            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
+        except ImportError:
+            if not lead:
+                print("notice: tensorboard is not installed; metrics go to --track only (pip install tensorboard)", file=sys.stderr)
+        if self.wandb:
+            # Several runs live at once only with reinit="create_new" (wandb 0.19.10 or later).
+            seeds = {"group": self.lead.name, "reinit": "create_new"} if getattr(args, "num_seeds", 1) > 1 else {}
+            project, entity = args.wandb_project_name, args.wandb_entity
+            self.wandb = self.wandb.init(project=project, entity=entity, config=vars(args), name=self.name, save_code=True, **seeds)
+
+    def load(self, networks):
+        """--load-model into `networks` (name -> module)."""
+        load_checkpoint(self.args.load_model, networks, self.args.env_id, self.algorithm)
+
+    def on_sigterm(self, signum, frame):
+        """Schedulers stop jobs with SIGTERM: end the run as Ctrl-C does, saving first."""
+        self.interrupted = signal.SIGTERM
+        raise KeyboardInterrupt
+
+    def interrupt(self):
+        """Ctrl-C (or SIGTERM) in the training loop: every seed ends as interrupted."""
+        for run in self.seeds:
+            run.interrupted = self.interrupted or signal.SIGINT
+
+    def on_uncaught(self, kind, value, traceback):
+        """Ctrl-C or SIGTERM outside the training loop (while envs and networks are made): the
+        summary and exit status of an interrupted run, not a traceback. One that lands inside an
+        import may come as the cause of another error: Python 3.11 wraps what a `__set_name__`
+        raises in a RuntimeError, and building a torch optimizer imports torch._dynamo, which
+        runs many."""
+        interrupt = value
+        while interrupt is not None and not isinstance(interrupt, KeyboardInterrupt):
+            interrupt = interrupt.__cause__
+        if interrupt is None:
+            return sys.__excepthook__(kind, value, traceback)
+        self.interrupted = self.interrupted or signal.SIGINT
+        try:
+            self.finish(self.step, self.updates, {}, None)
+        except SystemExit as e:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(e.code)
+
+    def scalars(self, step, values):
+        """One point of the charts at `step`, written at the next log point (`write`)."""
+        self.points.append((step, values))
+
+    def write(self):
+        """The points since the last log point, handed to TensorBoard and wandb at once: the
+        writer thread takes the GIL for each event it is handed. Signals wait until the writers
+        are done: a KeyboardInterrupt inside TensorBoard's writer can leave it so that close()
+        hangs (tensorboard 2.21)."""
+        with signals_held():
+            for step, values in self.points:
+                if self.writer:
+                    # One event holds all the values: add_scalar writes one per value, at ~40 us each.
+                    summary = self.summary(value=[self.summary.Value(tag=k, simple_value=float(v)) for k, v in values.items()])
+                    self.writer.file_writer.add_summary(summary, step)
+                if self.wandb:
+                    self.wandb.log(values, step=step)
+            self.points.clear()
+
+    def episodes(self, step, infos):
+        """CleanRL's charts, one point per finished episode."""
+        for _, r, n in self.finished(step, infos):
+            self.record(step, r, n)
+
+    @staticmethod
+    def finished(step, infos):
+        """The episodes that ended in `infos`, as (step, return, length), from gymnasium's episode
+        statistics (in infos["final_info"] under SAME_STEP autoreset)."""
+        info = infos.get("final_info", infos)
+        if "episode" not in info:
+            return []
+        done = info["_episode"]
+        return [(step, float(r), int(n)) for r, n in zip(info["episode"]["r"][done], info["episode"]["l"][done])]
+
+    def record(self, step, r, n):
+        self.returns.append(r)
+        self.scalars(step, {"charts/episodic_return": r, "charts/episodic_length": n})
+
+    def seed_returns(self):
+        """Each seed's mean return over its last 10 episodes (None before its first), in seed order."""
+        return [float(np.mean(run.returns)) if run.returns else None for run in self.seeds]
+
+    def sps(self):
+        if self.warmup_s is None or self.step <= self.warm_step:
+            return None
+        return (self.step - self.warm_step) / (time.perf_counter() - self.warm_time)
+
+    def log(self, step, updates, metrics, networks):
+        """A log point: steps/s (from the first log point with `warmup_updates` updates done, when
+        every compiled callable has run), bar, curve, metrics, and the weights as last good if
+        they are finite (with --save-model)."""
+        if self.bar is None:
+            hidden = not self.main or self.lead is not self
+            self.bar = tqdm.tqdm(total=self.total_steps * len(self.seeds), file=sys.stderr, disable=hidden)
+        self.bar.update((step - self.step) * len(self.seeds))
+        self.step, self.updates, now = step, updates, time.perf_counter()
+        if self.warmup_s is None and updates >= self.warmup_updates:
+            self.warmup_s, self.warm_step, self.warm_time = now - self.start, step, now
+        # The summary's steps/s is the last log point's: closing envs and saving are not training.
+        sps = self.last_sps = self.sps()
+        mean_return = np.mean(self.returns) if self.returns else float("nan")
+        means = [m for m in self.seed_returns() if m is not None]
+        shown = np.mean(means) if means else float("nan")
+        self.bar.set_description(f"sps={(sps or float('nan')) * len(self.seeds):6.0f} return={shown:8.2f}")
+        if self.returns:
+            self.curve.write(f"{step},{now - self.start:.3f},{mean_return:.3f}\n")
+        self.scalars(step, {**metrics, "charts/SPS": sps or 0.0})
+        self.write()
+        if self.args.save_model:
+            state = {name: {k: v.detach().clone() for k, v in net.state_dict().items()} for name, net in networks.items()}
+            if torch.stack([v.isfinite().all() for sd in state.values() for v in sd.values()]).all():
+                self.last_good = state
+
+    def finish(self, step, updates, networks, evaluate, **fields):
+        """Save, evaluate, close and print the summary. Exit 1 after a non-finite loss, 130 after
+        Ctrl-C, 143 after SIGTERM; a checkpoint is only ever saved from finite weights."""
+        self.step, self.updates = step, updates
+        end_sps, wall_s = self.last_sps, time.perf_counter() - self.start
+        # A second Ctrl-C or SIGTERM must not break the save or the summary (evaluation aside).
+        handlers = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if self.bar:
+            self.bar.close()
+        if self.interrupted and self.main and self.lead is self:
+            print(f"notice: interrupted at step {self.step}; saving what there is", file=sys.stderr)
+        checkpoint, state = None, self.last_good
+        if self.args.save_model and self.main and networks:
+            current = {name: net.state_dict() for name, net in networks.items()}
+            if self.stop_reason is None and all(v.isfinite().all() for sd in current.values() for v in sd.values()):
+                state = current
+            if state is None:
+                print("notice: the weights were never finite at a log point; no checkpoint saved", file=sys.stderr)
+            else:
+                # A copy: a seed's weights are a view of all seeds' storage, which torch.save writes whole.
+                model = {name: {k: v.detach().to("cpu", copy=True) for k, v in sd.items()} for name, sd in state.items()}
+                saved = {"algorithm": self.algorithm, "env_id": self.args.env_id, "args": vars(self.args), "model": model}
+                checkpoint = atomic_save(saved, f"{self.dir}/{self.args.exp_name}.pt")
+                print(f"notice: model saved to {checkpoint}", file=sys.stderr)
+        eval_return = None
+        if self.args.eval_episodes > 0 and self.main and self.stop_reason is None and not (self.interrupted or self.lead.interrupted):
+            signal.signal(signal.SIGINT, handlers[0])
+            signal.signal(signal.SIGTERM, handlers[1])
+            try:
+                eval_return = evaluate()
+            except KeyboardInterrupt:
+                self.interrupted = self.interrupted or signal.SIGINT
+                self.lead.interrupted = self.lead.interrupted or self.interrupted
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        self.curve.close()
+        self.write()
+        if self.writer:
+            self.writer.close()
+        if self.wandb:
+            self.wandb.finish()
+        self.eval_return = eval_return
+        if self.lead is not self:
+            signal.signal(signal.SIGINT, handlers[0])
+            signal.signal(signal.SIGTERM, handlers[1])
+            return
+        returns, evals = self.seed_returns(), [run.eval_return for run in self.seeds]
+        found = [m for m in returns if m is not None]
+        per_seed = {
+            "episodic_returns": [None if m is None else round(m, 3) for m in returns],
+            "eval_returns": [None if m is None else round(m, 3) for m in evals],
+        }
+        summary = {
+            "script": self.script, "env_id": self.args.env_id, "seed": self.args.seed, "num_seeds": len(self.seeds),
+            "compile": getattr(self.args, "compile", False), "cudagraphs": False, **fields,
+            "total_steps": self.step, "updates": self.updates, "wall_s": wall_s, "sps": end_sps and end_sps * len(self.seeds),
+            "warmup_s": self.warmup_s, "episodic_return": np.mean(found) if found else None,
+            **(per_seed if len(self.seeds) > 1 else {}),
+            "eval_return": np.mean(evals) if None not in evals else None, "peak_rss_mb": peak_rss_mb(),
+            "interrupted": bool(self.interrupted), "checkpoint": checkpoint, "run_dir": self.dir,
+        }  # fmt: skip
+        # Strict JSON: non-finite numbers become null.
+        summary = {k: (round(float(v), 3) if math.isfinite(v) else None) if isinstance(v, (float, np.floating)) else v for k, v in summary.items()}
+        if self.main:
+            print(json.dumps(summary), flush=True)
+        if self.stop_reason:
+            print(f"error: {self.stop_reason}", file=sys.stderr)
+            sys.exit(1)
+        if self.interrupted:
+            sys.exit(143 if self.interrupted == signal.SIGTERM else 130)
+
+
+def seed_runs(args, total_steps, script, rank=0):
+    """One Run per seed of --num-seeds (seeds seed ... seed + num_seeds - 1), the first the lead."""
+    lead = Run(args, total_steps, script, rank=rank)
+    num_seeds = getattr(args, "num_seeds", 1)
+    return [lead] + [Run(replace(args, seed=args.seed + k), total_steps, script, lead=lead) for k in range(1, num_seeds)]
+
+
+def seed_slice(infos, k, num_envs):
+    """Seed k's share of a vector env's infos: the values of its sub-envs, k * num_envs onwards."""
+    part = slice(k * num_envs, (k + 1) * num_envs)
+    return {key: seed_slice(value, k, num_envs) if isinstance(value, dict) else value[part] for key, value in infos.items()}
+
+
+def log_episodes(runs, step, infos, num_envs):
+    """Each seed's finished episodes (sub-env k * num_envs + i is env i of seed k)."""
+    info = infos.get("final_info", infos)
+    if len(runs) == 1:
+        runs[0].episodes(step, info)
+    elif "_episode" in info and info["_episode"].any():
+        for k, run in enumerate(runs):
+            run.episodes(step, seed_slice(info, k, num_envs))
+
+
+def log_seeds(runs, step, updates, metrics, names, networks, **charts):
+    """A log point of every seed. `metrics`: a [len(names), seeds] tensor (or None before the first
+    update), `networks`: each seed's name -> module. A non-finite loss stops the run: it returns
+    False with every seed's stop reason set. note: a host sync."""
+    seed_stats = [{}] * len(runs)
+    if metrics is not None:
+        seed_stats = [dict(zip(names, values)) for values in metrics.reshape(len(names), len(runs)).T.tolist()]
+    for k, stats in enumerate(seed_stats):
+        bad = next((name for name in names if name.startswith("losses/") and not math.isfinite(stats.get(name, 0.0))), None)
+        if bad:
+            which = f" (seed {runs[k].args.seed})" if len(runs) > 1 else ""
+            for run in runs:
+                run.stop_reason = f"non-finite {bad.removeprefix('losses/')} {stats[bad]} at step {step}{which}"
+            return False
+    for run, stats, nets in zip(runs, seed_stats, networks):
+        run.log(step, updates, {**stats, **charts}, nets)
+    return True
+
+
+def finish_seeds(runs, step, updates, networks, evaluate, **fields):
+    """Finish every seed's run, the lead last (its summary reports every seed). `evaluate(nets,
+    args, run_name)` evaluates one seed's networks."""
+    for run, nets in reversed(list(zip(runs, networks))):
+        run.finish(step, updates, nets, lambda run=run, nets=nets: evaluate(nets, run.args, run.name), **fields)
+
+
+# ---------------------------------------------------------------- OPTIMIZERS
+
+
+class Adam:
+    """torch.optim.Adam's step as a call on tensors: torch's functional `adam` (the code that
+    `optim.Adam.step()` runs) on state kept here. In a compiled update it traces into the one
+    graph, where `optimizer.step()` would break it (and, on CUDA, compile once per optimizer).
+
+    `params`: (name, parameter) pairs; their detached views are updated in place, so the modules
+    see each step. `lr` may be a 0-d tensor annealed in place. `fused`: one kernel for all the
+    tensors, for eager updates. `capturable` (CUDA): the step counts stay on the device, so a
+    step never syncs and can be captured in a CUDA graph."""
+
+    def __init__(self, params, lr, eps=1e-8, fused=False, capturable=False):
+        self.params = {name: p.detach() for name, p in params}
+        self.exp_avgs = [torch.zeros_like(p) for p in self.params.values()]
+        self.exp_avg_sqs = [torch.zeros_like(p) for p in self.params.values()]
+        self.steps = [torch.zeros((), device=p.device) for p in self.params.values()]
+        self.lr, self.eps, self.fused, self.capturable = lr, eps, fused, capturable
+
+    @torch.no_grad()
+    def step(self, grads):
+        # torch.func may return a gradient in the layout its backward made (transposed for a
+        # weight used as `w.mT`); the fused kernel reads it as if laid out like the weight.
+        grads = [grads[name].contiguous() for name in self.params]
+        adam(
+            list(self.params.values()), grads, self.exp_avgs, self.exp_avg_sqs, [], self.steps,
+            foreach=False, fused=self.fused or None, capturable=self.capturable,
+            amsgrad=False, beta1=0.9, beta2=0.999, lr=self.lr, weight_decay=0.0, eps=self.eps, maximize=False,
+        )  # fmt: skip
+
+
+class RAdam(Adam):
+    """torch.optim.RAdam's step as a call on tensors, in the shape of `Adam`. `capturable`: the
+    rectification's `if rho_t > 5` becomes a `torch.where` on the step count, which stays a
+    tensor: needed under torch.compile on every device (a branch on a tensor breaks the graph) and
+    on CUDA (no sync); torch refuses it for an eager step on a CPU. RAdam has no fused kernel."""
+
+    @torch.no_grad()
+    def step(self, grads):
+        grads = [grads[name].contiguous() for name in self.params]
+        radam(
+            list(self.params.values()), grads, self.exp_avgs, self.exp_avg_sqs, self.steps,
+            foreach=False, capturable=self.capturable, beta1=0.9, beta2=0.999, lr=self.lr, weight_decay=0.0, eps=self.eps,
+        )  # fmt: skip
+
+
+# ---------------------------------------------------------------- NETWORKS: SEEDS AND HOST ACTING
+
+
+def stack_seeds(networks):
+    """The networks' parameters stacked on a leading seed dimension, as flat names -> tensors.
+    Each network's parameters become views of its slice, so that it acts, evaluates and saves
+    (a state_dict the single-seed script loads) with its seed's current weights. One network is
+    a stack of one."""
+    stacked = torch.stack([from_module(net).data for net in networks]).contiguous()
+    for k, net in enumerate(networks):
+        stacked[k].to_module(net)
+    return stacked.flatten_keys(".")
+
+
+def seeds_forward(module):
+    """`module`'s forward for stacked seeds, read from the module itself: (params [seeds, ...] as
+    from `stack_seeds`, x [seeds, rows, ...]) -> outputs [seeds, rows, ...], each seed's rows
+    through its own weights (torch.func.vmap of functional_call). A stack of one runs the module's
+    own ops, so one seed computes exactly what the module computes, at its speed."""
+    vmapped = torch.func.vmap(lambda p, x: torch.func.functional_call(module, p, (x,)))
+
+    def forward(params, x):
+        if x.shape[0] > 1:
+            return vmapped(dict(params), x)
+        out = torch.func.functional_call(module, {name: p[0] for name, p in params.items()}, (x[0],))
+        return tuple(y.unsqueeze(0) for y in out) if isinstance(out, tuple) else out.unsqueeze(0)
+
+    return forward
+
+
+def _numpy_layer(layer, name, p):
+    """One layer as a numpy function on [seeds, rows, features], on views of its stacked weights."""
+    if isinstance(layer, nn.Linear):
+        weight_t = p[f"{name}.weight"].numpy().swapaxes(1, 2)
+        bias = p[f"{name}.bias"].numpy()[:, None] if layer.bias is not None else np.float32(0)
+
+        def linear(x):
+            x = x @ weight_t
+            x += bias
+            return x
+
+        return linear
+    if isinstance(layer, nn.LayerNorm) and len(layer.normalized_shape) == 1:
+        # Each row's mean and variance as a matmul with a column of 1/n: numpy's row reductions
+        # cost several us each for a few rows.
+        mean = np.full((layer.normalized_shape[0], 1), 1.0 / layer.normalized_shape[0], np.float32)
+        scale, shift = (p[f"{name}.{k}"].numpy()[:, None] if layer.elementwise_affine else np.float32(k == "weight") for k in ("weight", "bias"))
+
+        def layer_norm(x):
+            h = x - x @ mean
+            return h / np.sqrt((h * h) @ mean + layer.eps) * scale + shift
+
+        return layer_norm
+    activations = {
+        nn.ReLU: lambda x: np.maximum(x, 0, out=x),  # in place: x is never the caller's (see forward)
+        nn.Tanh: np.tanh,
+        nn.Sigmoid: lambda x: 1 / (1 + np.exp(-x)),
+        nn.Identity: lambda x: x,
+        nn.SiLU: lambda x: x / (1 + np.exp(-x)),
+    }
+    if type(layer) in activations:
+        return activations[type(layer)]
+    if isinstance(layer, nn.LeakyReLU):
+        return lambda x: np.where(x > 0, x, x * layer.negative_slope)
+    if isinstance(layer, nn.ELU):
+        return lambda x: np.where(x > 0, x, layer.alpha * np.expm1(np.minimum(x, 0)))
+    return None
+
+
+def numpy_forward(module, params, prefix=""):
+    """`module`'s forward in numpy for stacked seeds, read from the module: its leaf layers in the
+    order they were registered (an `nn.Sequential`, or a module whose forward applies its layers in
+    that order), each on views of `params` (`Tensor.numpy()` shares their memory, so every
+    optimizer step is seen at once). For a few rows a numpy op costs under a microsecond and a
+    torch op several. `params`: flat names -> stacked tensors on a CPU, the module's names under
+    `prefix`. Maps x [seeds, rows, features] to [seeds, rows, outputs].
+
+    Never a silent mismatch: a layer it has no form for, or a forward that is more than its layers
+    in order, ends the run with one line naming it (checked on a probe against the module)."""
+    layers, first_is_linear = [], None
+    for name, layer in module.named_modules():
+        if next(layer.children(), None) is not None:
+            continue
+        fn = _numpy_layer(layer, prefix + name, params)
+        if fn is None:
+            fail(
+                f"host acting cannot follow layer {prefix + name} ({type(layer).__name__}) of {type(module).__name__}: "
+                "use Linear, LayerNorm and ReLU/Tanh/Sigmoid/SiLU/ELU/LeakyReLU, or give the layer a numpy form in leanrl_utils"
+            )
+        first_is_linear = isinstance(layer, nn.Linear) if first_is_linear is None else first_is_linear
+        layers.append(fn)
+
+    def forward(x):
+        x = x if first_is_linear else x.copy()  # the layers work in place after a Linear's new array
+        for fn in layers:
+            x = fn(x)
+        return x
+
+    # The probe: seed 0 of the derived forward against the module with seed 0's weights.
+    seed0 = {name[len(prefix) :]: t[0] for name, t in params.items() if name.startswith(prefix)}
+    first = next((m for m in module.modules() if isinstance(m, nn.Linear)), None)
+    if first is None:
+        fail(f"host acting needs a Linear layer in {type(module).__name__}: act in torch")
+    probe = torch.randn(8, first.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = torch.func.functional_call(module, seed0, (probe,)).numpy()
+    n_seeds = next(iter(params.values())).shape[0]
+    got = forward(np.broadcast_to(probe.numpy(), (n_seeds, *probe.shape)).copy())[0]
+    if got.shape != expected.shape or not np.allclose(got, expected, rtol=1e-4, atol=1e-5):
+        fail(
+            f"host acting does not match {type(module).__name__}.forward, which is more than its layers in order: "
+            "keep forward a plain chain of its layers, or act in torch"
+        )
+    return forward
+
+
+def host_arrays(policy, device):
+    """A device policy as the loop calls it: host observations in, host arrays out."""
+
+    def call(obs):
+        # note: .cpu() is a CPU-GPU sync point on CUDA, which the host env needs anyway
+        out = policy(torch.from_numpy(obs).to(device))
+        return out.cpu().numpy() if isinstance(out, torch.Tensor) else [x.cpu().numpy() for x in out]
+
+    return call
+
+
+# ---------------------------------------------------------------- ENVS
+
+
+class SameStepEnvs(gym.vector.SyncVectorEnv):
+    """gymnasium's SyncVectorEnv under SAME_STEP autoreset, with a shorter step: the same
+    observations, rewards, terminations and truncations, and infos holding only the episode ends
+    (final_obs, final_info: all the scripts read). gymnasium's generic batching and copies cost
+    more than a small env's step (numbers in benchmark/RESULTS.md)."""
+
+    def __init__(self, env_fns):
+        super().__init__(env_fns, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+
+    def step(self, actions):
+        observations, infos = [], {}
+        rewards = np.zeros(self.num_envs)
+        terminations, truncations = np.zeros(self.num_envs, bool), np.zeros(self.num_envs, bool)
+        for i, (env, action) in enumerate(zip(self.envs, actions)):
+            obs, rewards[i], terminations[i], truncations[i], info = env.step(action)
+            if terminations[i] or truncations[i]:
+                infos = self._add_info(infos, {"final_obs": obs, "final_info": info}, i)
+                obs, _ = env.reset()
+            observations.append(obs)
+        return np.stack(observations), rewards, terminations, truncations, infos
+
+
+def real_next_obs(next_obs, infos):
+    """The observation each env reached: `next_obs`, except where an episode just ended: there
+    `next_obs` already starts the next episode and the true last one is in infos."""
+    if "final_obs" not in infos:
+        return next_obs
+    real = next_obs.copy()
+    for i in np.flatnonzero(infos["_final_obs"]):
+        real[i] = infos["final_obs"][i]
+    return real
+
+
+class RecordEpisodeStatistics(gym.vector.VectorWrapper):
+    """envpool Atari: returns and lengths of whole games, summed over all lives, from the
+    unclipped rewards. With episodic life, envpool ends an episode at every lost life, but a game
+    is over only when `infos["terminated"]` says so (no lives left) or the step limit truncates it.
+    The finished games are reported as gymnasium's vector wrapper does: `infos["episode"]["r"]`
+    where `infos["_episode"]`. Steps count every call, envpool's reset steps included, as in CleanRL."""
+
+    def __init__(self, env):
+        super().__init__(env)
+        self.episode_returns = np.zeros(self.num_envs, dtype=np.float64)
+        self.episode_lengths = np.zeros(self.num_envs, dtype=np.int64)
+
+    def reset(self, **kwargs):
+        obs, infos = self.env.reset(**kwargs)
+        self.episode_returns[:] = 0
+        self.episode_lengths[:] = 0
+        return obs, infos
+
+    def step(self, actions):
+        obs, rewards, terminations, truncations, infos = self.env.step(actions)
+        # infos["reward"] is the game's own reward, before envpool's clipping to its sign.
+        self.episode_returns += infos["reward"]
+        self.episode_lengths += 1
+        game_over = infos["terminated"].astype(bool) | truncations
+        infos["episode"] = {"r": self.episode_returns.copy(), "l": self.episode_lengths.copy()}
+        infos["_episode"] = game_over
+        self.episode_returns[game_over] = 0
+        self.episode_lengths[game_over] = 0
+        return obs, rewards, terminations, truncations, infos
+
+
+class RecordGameVideo(gym.vector.VectorWrapper):
+    """envpool Atari: videos of env 0's whole games, on the schedule of gymnasium's RecordVideo
+    (games 0, 1, 8, 27, ..., 1000, 2000, ...). envpool renders env 0's full RGB screen (210x160) on
+    request, which costs one extra copy per step only while a game is being recorded."""
+
+    def __init__(self, env, video_folder, fps=15):
+        # Imported here: gymnasium's save_video module raises at import without moviepy.
+        from gymnasium.utils.save_video import capped_cubic_video_schedule
+
+        super().__init__(env)
+        self.schedule = capped_cubic_video_schedule
+        self.video_folder, self.fps = video_folder, fps
+        os.makedirs(video_folder, exist_ok=True)
+        self.game, self.frames = 0, []
+
+    def _capture(self):
+        if self.schedule(self.game):
+            self.frames.append(self.env.render()[0])
+
+    def _write(self):
+        from moviepy.video.io.ImageSequenceClip import ImageSequenceClip
+
+        if len(self.frames) > 1:
+            clip = ImageSequenceClip(self.frames, fps=self.fps)
+            clip.write_videofile(os.path.join(self.video_folder, f"rl-video-game-{self.game}.mp4"), logger=None)
+        self.frames = []
+
+    def reset(self, **kwargs):
+        obs, infos = self.env.reset(**kwargs)
+        self.frames = []
+        self._capture()
+        return obs, infos
+
+    def step(self, actions):
+        obs, rewards, terminations, truncations, infos = self.env.step(actions)
+        self._capture()
+        if infos["terminated"][0] or truncations[0]:
+            self._write()
+            self.game += 1
+        return obs, rewards, terminations, truncations, infos
+
+    def close(self, **kwargs):
+        self._write()
+        return self.env.close(**kwargs)
+
+
+def envpool_envs(env_id, num_envs, seed, capture_video=False, video_folder=None):
+    """An envpool batch of `num_envs` Atari games with CleanRL's settings, or one clear line for
+    what is missing."""
+    import importlib.util
+
+    try:
+        import envpool
+    except ImportError:
+        fail("this script needs envpool for its Atari games: pip install 'leanrl[atari]'")
+    if env_id not in envpool.list_all_envs() or not hasattr(envpool.make_spec(env_id).config, "episodic_life"):
+        fail(f"unknown Atari id {env_id!r}: pass --env-id with an envpool Atari game, e.g. Breakout-v5 or Pong-v5")
+    if capture_video and importlib.util.find_spec("moviepy") is None:
+        fail("--capture-video needs moviepy: pip install 'leanrl[video]'")
+    render = {"render_mode": "rgb_array"} if capture_video else {}
+    envs = envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, episodic_life=True, reward_clip=True, seed=seed, **render)
+    if capture_video:
+        envs = RecordGameVideo(envs, video_folder)
+    return RecordEpisodeStatistics(envs)
+
+
+# ---------------------------------------------------------------- TORCHRUN
+
+
+def init_distributed(args):
+    """This process's (rank, world size, device). Under torchrun (WORLD_SIZE > 1 in the
+    environment) it joins the process group, gloo on a CPU and nccl on CUDA unless --backend
+    says otherwise, each rank on the GPU of its LOCAL_RANK; a single process makes no group.
+    Every collective waits at most --dist-timeout, so a rank that stops (Ctrl-C, a crash) never
+    leaves the others waiting for ever."""
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available() and args.cuda
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    backend = args.backend or ("nccl" if cuda else "gloo")
+    if args.backend is not None or world_size > 1:
+        if backend not in ("gloo", "nccl"):
+            fail(f"--backend {backend} is not supported: use gloo (CPU or CUDA) or nccl (CUDA)")
+        if not dist.is_available() or not getattr(dist, f"is_{backend}_available")():
+            fail(f"this torch build has no {backend} backend: use --backend {'gloo' if backend == 'nccl' else 'nccl'}")
+        if backend == "nccl" and not cuda:
+            fail("--backend nccl needs a CUDA device (and no --no-cuda): use --backend gloo on a CPU")
+    if world_size == 1:
+        return 0, 1, torch.device("cuda" if cuda else "cpu")
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cpu")
+    if cuda:
+        if backend == "nccl" and local_rank >= torch.cuda.device_count():
+            fail(
+                f"rank {rank} has no GPU of its own ({torch.cuda.device_count()} visible; nccl needs one per process): "
+                "start at most that many per node, or pass --backend gloo"
+            )
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    try:
+        dist.init_process_group(backend, timeout=timedelta(seconds=args.dist_timeout))
+    except Exception as e:  # the store, the backend and the rendezvous raise many types
+        fail(
+            f"rank {rank} could not join the {world_size} processes ({error_line(e)}): "
+            "check that every node runs the same torchrun command and reaches --rdzv-endpoint"
+        )
+    return rank, world_size, device
+
+
+def error_line(e):
+    """A torch.distributed error in one short line: gloo and c10d open theirs with the C++ source
+    location and go on for lines."""
+    line = (str(e).strip().splitlines() or [""])[0]
+    if line.startswith("[") and "] " in line:
+        line = line[line.index("] ") + 2 :]
+    return f"{type(e).__name__}: {line[:160]}"
+
+
+def broadcast_parameters(params):
+    """Rank 0's parameters to every rank, as one flat buffer: the same initial weights whatever
+    each rank seeded or loaded."""
+    import torch.distributed as dist
+
+    params = [p.detach() for p in params]
+    flat = torch.cat([p.reshape(-1) for p in params])
+    dist.broadcast(flat, src=0)
+    for p, new in zip(params, flat.split([p.numel() for p in params])):
+        p.copy_(new.view_as(p))
+
+
+def all_reduce_mean(grads, metrics, world_size):
+    """The mean over the ranks of the gradients (name -> tensor) and of the metrics, through one
+    flat buffer and one `all_reduce`: one collective per step, not one per parameter."""
+    import torch.distributed as dist
+
+    flat = torch.cat([g.reshape(-1) for g in grads.values()] + [metrics])
+    dist.all_reduce(flat)
+    flat = flat / world_size
+    *parts, metrics = flat.split([g.numel() for g in grads.values()] + [metrics.numel()])
+    return {name: part.view(g.shape) for (name, g), part in zip(grads.items(), parts)}, metrics
+
+
+def gather_episodes(episodes, rank, world_size):
+    """Every rank's finished episodes of one iteration, (step, return, length) from Run.finished,
+    on rank 0 in step order (an empty list on the other ranks). note: a host sync, once per
+    iteration."""
+    import torch.distributed as dist
+
+    gathered = [None] * world_size if rank == 0 else None
+    dist.gather_object(episodes, gathered, dst=0)
+    return sorted(e for rank_episodes in gathered for e in rank_episodes) if rank == 0 else []
+
+
+def finish_distributed(run, params, world_size, lost):
+    """At the end of a torchrun run: every rank's parameter checksum (rank 0's checkpoint must be
+    every rank's model; ranks that drifted apart stop the run with exit 1), then leave the group.
+    After Ctrl-C or a lost rank the others may be gone, so no collective is tried."""
+    import torch.distributed as dist
+
+    fields = {}
+    if not run.interrupted and not lost:
+        flat = torch.cat([p.detach().reshape(-1) for p in params]).double()
+        # A position-weighted sum: a change in any one parameter, or two swapped, changes it.
+        checksum = (flat * torch.arange(1, flat.numel() + 1, device=flat.device, dtype=flat.dtype)).sum().reshape(1)
+        checksums = [torch.empty_like(checksum) for _ in range(world_size)]
+        dist.all_gather(checksums, checksum)
+        checksums = [float(c) for c in checksums]
+        fields["rank_checksums"] = [repr(c) for c in checksums]
+        if len(set(checksums)) > 1 and run.stop_reason is None:
+            run.stop_reason = f"the ranks' parameters differ at the end (checksums {checksums}): the gradient all-reduce did not keep them identical"
+    dist.destroy_process_group()
+    return fields
