@@ -19,6 +19,7 @@ from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
+import psutil
 import torch
 import torch.nn as nn
 import tqdm
@@ -42,7 +43,10 @@ RULES = {
     "seed": (lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)"),
     **{k: (lambda v: v >= 0, "0 or more") for k in ("total_timesteps", "learning_starts", "eval_episodes")},
     **{k: (lambda v: v >= 1, "1 or more") for k in COUNTS},
-    **{k: (lambda v: math.isfinite(v) and v > 0, "a finite number > 0") for k in ("learning_rate", "q_lr", "policy_lr", "max_grad_norm")},
+    **{
+        k: (lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
+        for k in ("learning_rate", "q_lr", "policy_lr", "max_grad_norm")
+    },
     **{k: (lambda v: 0 < v <= 1, "a number in (0, 1]") for k in ("gamma", "tau")},
     **{k: (lambda v: 0 <= v <= 1, "a number in [0, 1]") for k in ("gae_lambda", "start_e", "end_e", "exploration_fraction")},
     **{
@@ -70,40 +74,20 @@ def check_args(args):
         fail(f"--seed {args.seed} + --num-seeds {num_seeds} passes 2**32: use a smaller seed")
 
 
-def free_memory(device):
-    """Bytes free on `device` (None where it cannot be told)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        import psutil
-
-        return psutil.virtual_memory().available
-    except ImportError:
-        pass
-    try:
-        return next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return None
-
-
 def check_memory(nbytes, device, what):
     """One line, before any work, for a buffer that will not fit in the device's free memory."""
-    free = free_memory(torch.device(device))
-    if free is not None and nbytes > free:
-        fail(f"{what} needs {nbytes / 2**30:.1f} GiB and {torch.device(device).type} has {free / 2**30:.1f} GiB free: make it smaller")
+    device = torch.device(device)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
+    if nbytes > free:
+        fail(f"{what} needs {nbytes / 2**30:.1f} GiB and {device.type} has {free / 2**30:.1f} GiB free: make it smaller")
 
 
 def peak_rss_mb():
-    """The process's peak resident memory in MiB (None where it cannot be told)."""
+    """The process's peak resident memory in MiB."""
     if resource is not None:  # ru_maxrss: KiB on Linux, bytes on macOS
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 1024)
-    try:
-        import psutil
-
-        info = psutil.Process().memory_info()
-        return getattr(info, "peak_wset", info.rss) / 2**20
-    except ImportError:
-        return None
+    info = psutil.Process().memory_info()
+    return getattr(info, "peak_wset", info.rss) / 2**20  # peak_wset: Windows
 
 
 @contextmanager
@@ -132,17 +116,15 @@ def speed_toggles(args, rank=0):
     return device, cudagraphs
 
 
-# The guards torch.compile checks before each call of a compiled function (its guard_filter_fn):
-# those that tell one value from another (tensor shapes, dtypes and devices, constants, object
-# identities and types, grad mode, the function's own closures), so that an update built again
-# with other tensors or hyper-parameters in the same process compiles anew. Dropped: the checks
-# that modules, hooks, containers and library functions are as they were, which the scripts never
-# change; they cost a tenth of a small compiled update's call.
+# torch.compile's guard_filter_fn: keep the guards that tell one value from another (tensors,
+# constants, identities, types, grad mode, the function's closures), so that an update built anew
+# compiles anew; drop those that check modules and library functions, which the scripts never
+# change and which cost a tenth of a small compiled update's call.
 VALUE_GUARDS = {"TENSOR_MATCH", "CONSTANT_MATCH", "EQUALS_MATCH", "ID_MATCH", "TYPE_MATCH", "GRAD_MODE"}
 
 
 def value_guards(entries):
-    return [entry.guard_type in VALUE_GUARDS or (entry.guard_type == "CLOSURE_MATCH" and not entry.is_global) for entry in entries]
+    return [e.guard_type in VALUE_GUARDS or (e.guard_type == "CLOSURE_MATCH" and not e.is_global) for e in entries]
 
 
 # ---------------------------------------------------------------- CHECKPOINTS
@@ -174,7 +156,8 @@ def load_checkpoint(path, networks, env_id, algorithm):
         for name, network in networks.items():
             network.load_state_dict(checkpoint["model"][name])
     except (KeyError, RuntimeError):
-        hint = f"pass --env-id {checkpoint['env_id']}" if checkpoint["env_id"] != env_id else "use the sizes it was trained with"
+        saved_env = checkpoint["env_id"]
+        hint = f"pass --env-id {saved_env}" if saved_env != env_id else "use the sizes it was trained with"
         fail(f"{path!r} holds {algorithm} networks for {checkpoint['env_id']} of other sizes: {hint}")
 
 
@@ -182,14 +165,11 @@ def load_checkpoint(path, networks, env_id, algorithm):
 
 
 class Run:
-    """Around the training loop: the folder runs/<run_name> (TensorBoard events when tensorboard
-    is installed, curve.csv, the checkpoint), wandb with --track, the progress bar, steps/s after
-    warm-up, SIGTERM handled as Ctrl-C, and the one-line JSON summary. Under torchrun only rank 0
-    writes, prints, tracks, saves and evaluates. `script`: the script's `__file__`.
-
-    --num-seeds: one Run per seed (`seed_runs`), each with its own folder, checkpoint and wandb run
-    (one group); the first is the `lead` of the others: it alone handles SIGTERM, shows the bar and
-    prints the summary, all three for every seed, and finishes last."""
+    """Around the training loop: runs/<run_name> (TensorBoard events, curve.csv, the checkpoint),
+    wandb with --track, the progress bar, steps/s after warm-up, SIGTERM as Ctrl-C, and the one-line
+    JSON summary; under torchrun only rank 0 writes. `script`: the script's `__file__`. With
+    --num-seeds, one Run per seed (`seed_runs`); the first, the `lead`, alone handles SIGTERM, shows
+    the bar and prints the summary for every seed, and finishes last."""
 
     def __init__(self, args, total_steps, script, warmup_updates=3, rank=0, lead=None):
         self.args, self.warmup_updates, self.main = args, warmup_updates, rank == 0
@@ -227,17 +207,20 @@ class Run:
             from tensorboard.compat.proto.summary_pb2 import Summary
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer, self.summary = SummaryWriter(self.dir), Summary
+            self.writer, self.summary = SummaryWriter(os.path.abspath(self.dir)), Summary  # its thread may outlive a chdir
             table = "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
             self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
         except ImportError:
             if not lead:
-                print("notice: tensorboard is not installed; metrics go to --track only (pip install tensorboard)", file=sys.stderr)
+                notice = "tensorboard is not installed; metrics go to --track only (pip install tensorboard)"
+                print(f"notice: {notice}", file=sys.stderr)
         if self.wandb:
             # Several runs live at once only with reinit="create_new" (wandb 0.19.10 or later).
             seeds = {"group": self.lead.name, "reinit": "create_new"} if getattr(args, "num_seeds", 1) > 1 else {}
-            project, entity = args.wandb_project_name, args.wandb_entity
-            self.wandb = self.wandb.init(project=project, entity=entity, config=vars(args), name=self.name, save_code=True, **seeds)
+            project, entity, config = args.wandb_project_name, args.wandb_entity, vars(args)
+            self.wandb = self.wandb.init(
+                project=project, entity=entity, config=config, name=self.name, save_code=True, **seeds
+            )
 
     def load(self, networks):
         """--load-model into `networks` (name -> module)."""
@@ -254,11 +237,9 @@ class Run:
             run.interrupted = self.interrupted or signal.SIGINT
 
     def on_uncaught(self, kind, value, traceback):
-        """Ctrl-C or SIGTERM outside the training loop (while envs and networks are made): the
-        summary and exit status of an interrupted run, not a traceback. One that lands inside an
-        import may come as the cause of another error: Python 3.11 wraps what a `__set_name__`
-        raises in a RuntimeError, and building a torch optimizer imports torch._dynamo, which
-        runs many."""
+        """Ctrl-C or SIGTERM outside the training loop: the summary and exit status of an
+        interrupted run, not a traceback. One inside an import may come as the cause of another
+        error (Python 3.11 wraps what a `__set_name__` raises in a RuntimeError)."""
         interrupt = value
         while interrupt is not None and not isinstance(interrupt, KeyboardInterrupt):
             interrupt = interrupt.__cause__
@@ -277,10 +258,9 @@ class Run:
         self.points.append((step, values))
 
     def write(self):
-        """The points since the last log point, handed to TensorBoard and wandb at once: the
-        writer thread takes the GIL for each event it is handed. Signals wait until the writers
-        are done: a KeyboardInterrupt inside TensorBoard's writer can leave it so that close()
-        hangs (tensorboard 2.21)."""
+        """The points since the last log point, to TensorBoard and wandb at once (the writer thread
+        takes the GIL for each event). Signals wait: a KeyboardInterrupt inside TensorBoard's
+        writer can leave its close() hanging (tensorboard 2.21)."""
         with signals_held():
             for step, values in self.points:
                 if self.writer:
@@ -320,9 +300,8 @@ class Run:
         return (self.step - self.warm_step) / (time.perf_counter() - self.warm_time)
 
     def log(self, step, updates, metrics, networks):
-        """A log point: steps/s (from the first log point with `warmup_updates` updates done, when
-        every compiled callable has run), bar, curve, metrics, and the weights as last good if
-        they are finite (with --save-model)."""
+        """A log point: steps/s (from the first one with `warmup_updates` updates done, when every
+        compiled callable has run), bar, curve, metrics, and with --save-model the weights if finite."""
         if self.bar is None:
             hidden = not self.main or self.lead is not self
             self.bar = tqdm.tqdm(total=self.total_steps * len(self.seeds), file=sys.stderr, disable=hidden)
@@ -369,8 +348,8 @@ class Run:
                 saved = {"algorithm": self.algorithm, "env_id": self.args.env_id, "args": vars(self.args), "model": model}
                 checkpoint = atomic_save(saved, f"{self.dir}/{self.args.exp_name}.pt")
                 print(f"notice: model saved to {checkpoint}", file=sys.stderr)
-        eval_return = None
-        if self.args.eval_episodes > 0 and self.main and self.stop_reason is None and not (self.interrupted or self.lead.interrupted):
+        eval_return, stopped = None, self.stop_reason or self.interrupted or self.lead.interrupted
+        if self.args.eval_episodes > 0 and self.main and not stopped:
             signal.signal(signal.SIGINT, handlers[0])
             signal.signal(signal.SIGTERM, handlers[1])
             try:
@@ -393,10 +372,8 @@ class Run:
             return
         returns, evals = self.seed_returns(), [run.eval_return for run in self.seeds]
         found = [m for m in returns if m is not None]
-        per_seed = {
-            "episodic_returns": [None if m is None else round(m, 3) for m in returns],
-            "eval_returns": [None if m is None else round(m, 3) for m in evals],
-        }
+        rounded = {"episodic_returns": returns, "eval_returns": evals}
+        per_seed = {k: [None if m is None else round(m, 3) for m in v] for k, v in rounded.items()}
         summary = {
             "script": self.script, "env_id": self.args.env_id, "seed": self.args.seed, "num_seeds": len(self.seeds),
             "compile": getattr(self.args, "compile", False), "cudagraphs": False, **fields,
@@ -407,7 +384,10 @@ class Run:
             "interrupted": bool(self.interrupted), "checkpoint": checkpoint, "run_dir": self.dir,
         }  # fmt: skip
         # Strict JSON: non-finite numbers become null.
-        summary = {k: (round(float(v), 3) if math.isfinite(v) else None) if isinstance(v, (float, np.floating)) else v for k, v in summary.items()}
+        summary = {
+            k: (round(float(v), 3) if math.isfinite(v) else None) if isinstance(v, (float, np.floating)) else v
+            for k, v in summary.items()
+        }
         if self.main:
             print(json.dumps(summary), flush=True)
         if self.stop_reason:
@@ -448,7 +428,9 @@ def log_seeds(runs, step, updates, metrics, names, networks, **charts):
     if metrics is not None:
         seed_stats = [dict(zip(names, values)) for values in metrics.reshape(len(names), len(runs)).T.tolist()]
     for k, stats in enumerate(seed_stats):
-        bad = next((name for name in names if name.startswith("losses/") and not math.isfinite(stats.get(name, 0.0))), None)
+        # explained variance is NaN by design when a batch's returns are constant (as in CleanRL)
+        losses = [name for name in names if name.startswith("losses/") and name != "losses/explained_variance"]
+        bad = next((name for name in losses if not math.isfinite(stats.get(name, 0.0))), None)
         if bad:
             which = f" (seed {runs[k].args.seed})" if len(runs) > 1 else ""
             for run in runs:
@@ -499,10 +481,9 @@ class Adam:
 
 
 class RAdam(Adam):
-    """torch.optim.RAdam's step as a call on tensors, in the shape of `Adam`. `capturable`: the
-    rectification's `if rho_t > 5` becomes a `torch.where` on the step count, which stays a
-    tensor: needed under torch.compile on every device (a branch on a tensor breaks the graph) and
-    on CUDA (no sync); torch refuses it for an eager step on a CPU. RAdam has no fused kernel."""
+    """torch.optim.RAdam's step in the shape of `Adam`. `capturable`: the rectification's branch on
+    the step count becomes a `torch.where`, needed under torch.compile (a branch on a tensor breaks
+    the graph) and on CUDA (no sync); torch refuses it for an eager step on a CPU."""
 
     @torch.no_grad()
     def step(self, grads):
@@ -517,27 +498,31 @@ class RAdam(Adam):
 
 
 def stack_seeds(networks):
-    """The networks' parameters stacked on a leading seed dimension, as flat names -> tensors.
-    Each network's parameters become views of its slice, so that it acts, evaluates and saves
-    (a state_dict the single-seed script loads) with its seed's current weights. One network is
-    a stack of one."""
+    """The networks' parameters stacked on a leading seed dimension (flat names -> tensors); each
+    network's parameters become views of its slice, so it acts, evaluates and saves with its seed's
+    current weights. One network is a stack of one."""
     stacked = torch.stack([from_module(net).data for net in networks]).contiguous()
     for k, net in enumerate(networks):
         stacked[k].to_module(net)
     return stacked.flatten_keys(".")
 
 
-def seeds_forward(module):
+def seeds_forward(module, shared=()):
     """`module`'s forward for stacked seeds, read from the module itself: (params [seeds, ...] as
-    from `stack_seeds`, x [seeds, rows, ...]) -> outputs [seeds, rows, ...], each seed's rows
-    through its own weights (torch.func.vmap of functional_call). A stack of one runs the module's
+    from `stack_seeds`, *inputs [seeds, rows, ...]) -> outputs [seeds, rows, ...], each seed's rows
+    through its own weights (torch.func.vmap of functional_call). `shared`: the positions of inputs
+    that every seed takes whole (e.g. twin critics on one batch). A stack of one runs the module's
     own ops, so one seed computes exactly what the module computes, at its speed."""
-    vmapped = torch.func.vmap(lambda p, x: torch.func.functional_call(module, p, (x,)))
 
-    def forward(params, x):
-        if x.shape[0] > 1:
-            return vmapped(dict(params), x)
-        out = torch.func.functional_call(module, {name: p[0] for name, p in params.items()}, (x[0],))
+    def call(p, *inputs):
+        return torch.func.functional_call(module, p, inputs)
+
+    def forward(params, *inputs):
+        if next(iter(params.values())).shape[0] > 1:
+            in_dims = tuple(None if i in shared else 0 for i in range(len(inputs)))
+            return torch.func.vmap(call, in_dims=(0, *in_dims))(dict(params), *inputs)
+        one = {name: p[0] for name, p in params.items()}
+        out = call(one, *(x if i in shared else x[0] for i, x in enumerate(inputs)))
         return tuple(y.unsqueeze(0) for y in out) if isinstance(out, tuple) else out.unsqueeze(0)
 
     return forward
@@ -559,16 +544,23 @@ def _numpy_layer(layer, name, p):
         # Each row's mean and variance as a matmul with a column of 1/n: numpy's row reductions
         # cost several us each for a few rows.
         mean = np.full((layer.normalized_shape[0], 1), 1.0 / layer.normalized_shape[0], np.float32)
-        scale, shift = (p[f"{name}.{k}"].numpy()[:, None] if layer.elementwise_affine else np.float32(k == "weight") for k in ("weight", "bias"))
+        affine = layer.elementwise_affine
+        scale, shift = (p[f"{name}.{k}"].numpy()[:, None] if affine else np.float32(k == "weight") for k in ("weight", "bias"))
 
-        def layer_norm(x):
-            h = x - x @ mean
-            return h / np.sqrt((h * h) @ mean + layer.eps) * scale + shift
+        def layer_norm(x):  # in place, as every layer after the first (see numpy_forward)
+            x -= x @ mean
+            std = (x * x) @ mean
+            std += layer.eps
+            np.sqrt(std, out=std)
+            x /= std
+            x *= scale
+            x += shift
+            return x
 
         return layer_norm
     activations = {
         nn.ReLU: lambda x: np.maximum(x, 0, out=x),  # in place: x is never the caller's (see forward)
-        nn.Tanh: np.tanh,
+        nn.Tanh: lambda x: np.tanh(x, out=x),
         nn.Sigmoid: lambda x: 1 / (1 + np.exp(-x)),
         nn.Identity: lambda x: x,
         nn.SiLU: lambda x: x / (1 + np.exp(-x)),
@@ -583,25 +575,21 @@ def _numpy_layer(layer, name, p):
 
 
 def numpy_forward(module, params, prefix=""):
-    """`module`'s forward in numpy for stacked seeds, read from the module: its leaf layers in the
-    order they were registered (an `nn.Sequential`, or a module whose forward applies its layers in
-    that order), each on views of `params` (`Tensor.numpy()` shares their memory, so every
-    optimizer step is seen at once). For a few rows a numpy op costs under a microsecond and a
-    torch op several. `params`: flat names -> stacked tensors on a CPU, the module's names under
-    `prefix`. Maps x [seeds, rows, features] to [seeds, rows, outputs].
-
-    Never a silent mismatch: a layer it has no form for, or a forward that is more than its layers
-    in order, ends the run with one line naming it (checked on a probe against the module)."""
+    """`module`'s forward in numpy for stacked seeds, x [seeds, rows, features] -> [seeds, rows, out],
+    read from the module: its leaf layers in registration order, each on views of `params` (flat
+    names -> stacked CPU tensors, the module's names under `prefix`; `Tensor.numpy()` shares their
+    memory, so every optimizer step is seen at once). For a few rows a numpy op costs under a
+    microsecond and a torch op several. Never a silent mismatch: a layer it has no form for, or a
+    forward that is more than its layers in order (checked on a probe), ends the run in one line."""
     layers, first_is_linear = [], None
     for name, layer in module.named_modules():
         if next(layer.children(), None) is not None:
             continue
         fn = _numpy_layer(layer, prefix + name, params)
         if fn is None:
-            fail(
-                f"host acting cannot follow layer {prefix + name} ({type(layer).__name__}) of {type(module).__name__}: "
-                "use Linear, LayerNorm and ReLU/Tanh/Sigmoid/SiLU/ELU/LeakyReLU, or give the layer a numpy form in leanrl_utils"
-            )
+            known = "Linear, LayerNorm, ReLU, Tanh, Sigmoid, SiLU, ELU, LeakyReLU"
+            kind = f"{prefix + name} ({type(layer).__name__}) of {type(module).__name__}"
+            fail(f"numpy acting cannot follow layer {kind}: use {known}, or give it a numpy form in leanrl_utils")
         first_is_linear = isinstance(layer, nn.Linear) if first_is_linear is None else first_is_linear
         layers.append(fn)
 
@@ -615,16 +603,17 @@ def numpy_forward(module, params, prefix=""):
     seed0 = {name[len(prefix) :]: t[0] for name, t in params.items() if name.startswith(prefix)}
     first = next((m for m in module.modules() if isinstance(m, nn.Linear)), None)
     if first is None:
-        fail(f"host acting needs a Linear layer in {type(module).__name__}: act in torch")
+        fail(f"numpy acting needs a Linear layer in {type(module).__name__}: add one")
     probe = torch.randn(8, first.in_features, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = torch.func.functional_call(module, seed0, (probe,)).numpy()
     n_seeds = next(iter(params.values())).shape[0]
     got = forward(np.broadcast_to(probe.numpy(), (n_seeds, *probe.shape)).copy())[0]
     if got.shape != expected.shape or not np.allclose(got, expected, rtol=1e-4, atol=1e-5):
+        name = type(module).__name__
         fail(
-            f"host acting does not match {type(module).__name__}.forward, which is more than its layers in order: "
-            "keep forward a plain chain of its layers, or act in torch"
+            f"numpy acting does not match {name}.forward, which is more than its layers in order: "
+            "make it a chain of its layers"
         )
     return forward
 
@@ -644,10 +633,9 @@ def host_arrays(policy, device):
 
 
 class SameStepEnvs(gym.vector.SyncVectorEnv):
-    """gymnasium's SyncVectorEnv under SAME_STEP autoreset, with a shorter step: the same
-    observations, rewards, terminations and truncations, and infos holding only the episode ends
-    (final_obs, final_info: all the scripts read). gymnasium's generic batching and copies cost
-    more than a small env's step (numbers in benchmark/RESULTS.md)."""
+    """gymnasium's SyncVectorEnv under SAME_STEP autoreset with a shorter step: the same arrays, and
+    infos holding only the episode ends (final_obs, final_info), without the generic batching that
+    costs more than a small env's step."""
 
     def __init__(self, env_fns):
         super().__init__(env_fns, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
@@ -666,8 +654,8 @@ class SameStepEnvs(gym.vector.SyncVectorEnv):
 
 
 def real_next_obs(next_obs, infos):
-    """The observation each env reached: `next_obs`, except where an episode just ended: there
-    `next_obs` already starts the next episode and the true last one is in infos."""
+    """The observation each env reached: where an episode just ended, `next_obs` already starts the
+    next one and the true last one is in infos."""
     if "final_obs" not in infos:
         return next_obs
     real = next_obs.copy()
@@ -677,11 +665,9 @@ def real_next_obs(next_obs, infos):
 
 
 class RecordEpisodeStatistics(gym.vector.VectorWrapper):
-    """envpool Atari: returns and lengths of whole games, summed over all lives, from the
-    unclipped rewards. With episodic life, envpool ends an episode at every lost life, but a game
-    is over only when `infos["terminated"]` says so (no lives left) or the step limit truncates it.
-    The finished games are reported as gymnasium's vector wrapper does: `infos["episode"]["r"]`
-    where `infos["_episode"]`. Steps count every call, envpool's reset steps included, as in CleanRL."""
+    """envpool Atari: returns and lengths of whole games over all lives, from unclipped rewards (a
+    game ends when `infos["terminated"]` says no lives are left, or at the step limit), reported as
+    gymnasium's vector wrapper does. Steps count every call, reset steps included, as in CleanRL."""
 
     def __init__(self, env):
         super().__init__(env)
@@ -708,9 +694,8 @@ class RecordEpisodeStatistics(gym.vector.VectorWrapper):
 
 
 class RecordGameVideo(gym.vector.VectorWrapper):
-    """envpool Atari: videos of env 0's whole games, on the schedule of gymnasium's RecordVideo
-    (games 0, 1, 8, 27, ..., 1000, 2000, ...). envpool renders env 0's full RGB screen (210x160) on
-    request, which costs one extra copy per step only while a game is being recorded."""
+    """envpool Atari: videos of env 0's whole games on gymnasium's RecordVideo schedule (games 0, 1,
+    8, 27, ..., 1000, 2000, ...); a rendered frame costs a copy only while a game is recorded."""
 
     def __init__(self, env, video_folder, fps=15):
         # Imported here: gymnasium's save_video module raises at import without moviepy.
@@ -767,7 +752,9 @@ def envpool_envs(env_id, num_envs, seed, capture_video=False, video_folder=None)
     if capture_video and importlib.util.find_spec("moviepy") is None:
         fail("--capture-video needs moviepy: pip install 'leanrl[video]'")
     render = {"render_mode": "rgb_array"} if capture_video else {}
-    envs = envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, episodic_life=True, reward_clip=True, seed=seed, **render)
+    envs = envpool.make(
+        env_id, env_type="gymnasium", num_envs=num_envs, episodic_life=True, reward_clip=True, seed=seed, **render
+    )
     if capture_video:
         envs = RecordGameVideo(envs, video_folder)
     return RecordEpisodeStatistics(envs)
@@ -777,11 +764,9 @@ def envpool_envs(env_id, num_envs, seed, capture_video=False, video_folder=None)
 
 
 def init_distributed(args):
-    """This process's (rank, world size, device). Under torchrun (WORLD_SIZE > 1 in the
-    environment) it joins the process group, gloo on a CPU and nccl on CUDA unless --backend
-    says otherwise, each rank on the GPU of its LOCAL_RANK; a single process makes no group.
-    Every collective waits at most --dist-timeout, so a rank that stops (Ctrl-C, a crash) never
-    leaves the others waiting for ever."""
+    """This process's (rank, world size, device). Under torchrun it joins the process group (gloo on
+    a CPU, nccl on CUDA unless --backend says otherwise; each rank on the GPU of its LOCAL_RANK).
+    Every collective waits at most --dist-timeout: a rank that stops never hangs the others."""
     import torch.distributed as dist
 
     cuda = torch.cuda.is_available() and args.cuda
@@ -817,8 +802,7 @@ def init_distributed(args):
 
 
 def error_line(e):
-    """A torch.distributed error in one short line: gloo and c10d open theirs with the C++ source
-    location and go on for lines."""
+    """A torch.distributed error in one short line (gloo's and c10d's open with a C++ location)."""
     line = (str(e).strip().splitlines() or [""])[0]
     if line.startswith("[") and "] " in line:
         line = line[line.index("] ") + 2 :]
@@ -826,8 +810,7 @@ def error_line(e):
 
 
 def broadcast_parameters(params):
-    """Rank 0's parameters to every rank, as one flat buffer: the same initial weights whatever
-    each rank seeded or loaded."""
+    """Rank 0's parameters to every rank, as one flat buffer."""
     import torch.distributed as dist
 
     params = [p.detach() for p in params]
@@ -838,8 +821,8 @@ def broadcast_parameters(params):
 
 
 def all_reduce_mean(grads, metrics, world_size):
-    """The mean over the ranks of the gradients (name -> tensor) and of the metrics, through one
-    flat buffer and one `all_reduce`: one collective per step, not one per parameter."""
+    """The mean over the ranks of the gradients (name -> tensor) and the metrics: one flat buffer,
+    one `all_reduce` per step."""
     import torch.distributed as dist
 
     flat = torch.cat([g.reshape(-1) for g in grads.values()] + [metrics])
@@ -850,9 +833,8 @@ def all_reduce_mean(grads, metrics, world_size):
 
 
 def gather_episodes(episodes, rank, world_size):
-    """Every rank's finished episodes of one iteration, (step, return, length) from Run.finished,
-    on rank 0 in step order (an empty list on the other ranks). note: a host sync, once per
-    iteration."""
+    """Every rank's finished episodes, (step, return, length), on rank 0 in step order (an empty
+    list elsewhere). note: a host sync, once per iteration."""
     import torch.distributed as dist
 
     gathered = [None] * world_size if rank == 0 else None
@@ -861,9 +843,9 @@ def gather_episodes(episodes, rank, world_size):
 
 
 def finish_distributed(run, params, world_size, lost):
-    """At the end of a torchrun run: every rank's parameter checksum (rank 0's checkpoint must be
-    every rank's model; ranks that drifted apart stop the run with exit 1), then leave the group.
-    After Ctrl-C or a lost rank the others may be gone, so no collective is tried."""
+    """The end of a torchrun run: ranks whose parameters drifted apart (checksums) exit 1, since
+    rank 0's checkpoint must be every rank's model; then leave the group. After Ctrl-C or a lost
+    rank no collective is tried."""
     import torch.distributed as dist
 
     fields = {}
@@ -876,6 +858,9 @@ def finish_distributed(run, params, world_size, lost):
         checksums = [float(c) for c in checksums]
         fields["rank_checksums"] = [repr(c) for c in checksums]
         if len(set(checksums)) > 1 and run.stop_reason is None:
-            run.stop_reason = f"the ranks' parameters differ at the end (checksums {checksums}): the gradient all-reduce did not keep them identical"
+            run.stop_reason = (
+                f"the ranks' parameters differ at the end (checksums {checksums}): "
+                "the gradient all-reduce did not keep them identical"
+            )
     dist.destroy_process_group()
     return fields

@@ -1,23 +1,16 @@
 """DQN, lean: torch.compile, CUDA graphs and tensordict.
 
-Deep Q-Network (Mnih et al., 2015, https://www.nature.com/articles/nature14236) with the details
-and defaults of CleanRL's `dqn.py`: an MLP Q-network, a replay buffer, a target network and
-linearly decaying epsilon-greedy exploration. It learns as the plain script `dqn.py` does; what
-changes is where the time goes: the replay buffer lives on the training device and is gathered
-inside the update, the update (gather, both forward passes, backward, Adam) is one function
-that compiles to one graph, acting runs only on steps where some env acts greedily (exploration
-is drawn on the host, 256 steps at once), and nothing syncs the host with the device between two
-log points.
+Deep Q-Network (Mnih et al., 2015, https://www.nature.com/articles/nature14236), learning as the
+plain `dqn.py` (CleanRL's) does, faster: the replay buffer lives on the device and is gathered in
+the update, which compiles to one graph; acting runs only on steps where some env acts greedily;
+nothing syncs the host with the device between two log points.
 
     python leanrl/dqn_torchcompile.py
     python leanrl/dqn_torchcompile.py --compile
     python leanrl/dqn_torchcompile.py --compile --cudagraphs
 
-`--num-seeds N` trains N independent agents (seeds seed ... seed+N-1) in one process: their
-weights and Adam states stacked on a leading seed dimension (one seed is a stack of one), so that
-acting and the update are one batched call for all of them, each agent on its own slice of one
-vector env and its own column of the replay storage. Seed k is not bit-identical to a single run
-of seed+k: the agents share one stream of random numbers for exploration and sampling.
+`--num-seeds N` trains seeds seed ... seed+N-1 at once, stacked on a leading dimension (one seed is
+a stack of one) and sharing one random stream, so seed k is not bit-identical to a run of seed+k.
 """
 
 import importlib.util
@@ -137,6 +130,67 @@ def make_env(env_id, idx, capture_video, run_name):
     return thunk
 
 
+class QNetwork(nn.Module):
+    def __init__(self, n_obs, n_act, device=None):
+        super().__init__()
+        self.network = nn.Sequential(
+            nn.Linear(n_obs, 120, device=device),
+            nn.ReLU(),
+            nn.Linear(120, 84, device=device),
+            nn.ReLU(),
+            nn.Linear(84, n_act, device=device),
+        )
+
+    def forward(self, x):
+        return self.network(x)
+
+
+def make_update(q_network, target_params, optimizer, storage, gamma, num_seeds):
+    """One gradient step of every seed, one graph, on rows `idx` of the storage ([buffer_size, seeds,
+    ...], block k from seed k's column). The summed losses are differentiated (torch.func) and Adam
+    is elementwise, so each seed steps on its own loss. Returns [len(METRICS), seeds] on the device."""
+    forward = seeds_forward(q_network)
+    seeds = torch.arange(num_seeds, device=next(iter(storage.values())).device).unsqueeze(1)
+
+    def td_loss(params, obs, actions, td_target):
+        old_val = forward(params, obs).gather(2, actions.unsqueeze(2)).squeeze(2)
+        losses = (td_target - old_val).square().mean(dim=1)
+        return losses.sum(), (losses, old_val)
+
+    def update(idx):
+        batch = {key: value[idx.view(num_seeds, -1), seeds] for key, value in storage.items()}
+        with torch.no_grad():
+            target_max = forward(target_params, batch["next_obs"]).max(dim=2).values
+            td_target = batch["rewards"] + gamma * target_max * (1 - batch["dones"])
+        grad_and_loss = torch.func.grad_and_value(td_loss, has_aux=True)
+        grads, (_, (losses, old_val)) = grad_and_loss(optimizer.params, batch["obs"], batch["actions"], td_target)
+        optimizer.step(grads)
+        return torch.stack([losses, old_val.mean(dim=1)]).detach()
+
+    return update
+
+
+METRICS = ["losses/td_loss", "losses/q_values"]
+
+
+def draw_exploration(epsilons, num_envs, n_act, device):
+    """Epsilon-greedy's draws for a block of steps, [num_steps, num_envs]: whether each env explores
+    and the random action it would take. Two ops per block, not two per step: each costs microseconds."""
+    explore = torch.rand(len(epsilons), num_envs, device=device) < torch.tensor(epsilons, device=device).unsqueeze(1)
+    return explore, torch.randint(n_act, (len(epsilons), num_envs), device=device)
+
+
+def make_policy(q_network, params, num_seeds, host):
+    """The greedy action for observations [seeds * envs, n_obs] (seed k's envs in block k) under
+    each seed's network (`params` from `stack_seeds`), derived from `q_network`: on a CPU (`host`)
+    in numpy, where an op on a few numbers costs under a microsecond and a torch op several."""
+    if host:
+        forward = numpy_forward(q_network, params)
+        return lambda obs: forward(obs.reshape(num_seeds, -1, obs.shape[-1])).argmax(2).ravel()
+    forward = seeds_forward(q_network)
+    return lambda obs: forward(params, obs.view(num_seeds, -1, obs.shape[-1])).argmax(dim=2).flatten()
+
+
 def make_envs(args, run_name, num_envs, capture_video=False):
     """The vector env, or one clear line for an env this script cannot use."""
     if args.env_id not in gym.registry:
@@ -154,11 +208,12 @@ def make_envs(args, run_name, num_envs, capture_video=False):
         envs = SameStepEnvs([make_env(args.env_id, i, capture_video, run_name) for i in range(num_envs)])
     except gym.error.DependencyNotInstalled as e:
         fail(f"{args.env_id} needs a missing dependency ({e})")
-    action_space, observation_space = envs.single_action_space, envs.single_observation_space
-    if not isinstance(action_space, gym.spaces.Discrete):
-        fail(f"{args.env_id} has a {type(action_space).__name__} action space; DQN handles discrete actions only (e.g. CartPole-v1)")
-    if not isinstance(observation_space, gym.spaces.Box):
-        fail(f"{args.env_id} has a {type(observation_space).__name__} observation space; this script handles Box observations only")
+    space = envs.single_action_space
+    if not isinstance(space, gym.spaces.Discrete):
+        fail(f"{args.env_id} has a {type(space).__name__} action space; DQN handles discrete actions only (e.g. CartPole-v1)")
+    space = envs.single_observation_space
+    if not isinstance(space, gym.spaces.Box):
+        fail(f"{args.env_id} has a {type(space).__name__} observation space; this script handles Box observations only")
     return envs
 
 
@@ -170,39 +225,22 @@ def linear_schedule(start_e: float, end_e: float, duration: float, t: int) -> fl
 
 
 def crossings(step: int, n: int, every: int) -> int:
-    """How many multiples of `every` the step counter passed going from step - n to step: with
-    several envs the counter moves by num_envs at a time."""
+    """How many multiples of `every` the step counter passed from step - n to step (n: num_envs)."""
     return step // every - (step - n) // every
 
 
-class QNetwork(nn.Module):
-    def __init__(self, n_obs, n_act, device=None):
-        super().__init__()
-        self.network = nn.Sequential(
-            nn.Linear(n_obs, 120, device=device),
-            nn.ReLU(),
-            nn.Linear(120, 84, device=device),
-            nn.ReLU(),
-            nn.Linear(84, n_act, device=device),
-        )
-
-    def forward(self, x):
-        return self.network(x)
-
-
 class ReplayBuffer:
-    """Transitions in tensors allocated once on the training device (one per field; `empty`, so
-    pages are touched only as the buffer fills), written in place and gathered inside the update.
-    Steps are staged in host arrays and copied to the device in blocks (when the stage is full,
-    and before each update): on a CPU a torch call costs more than the copy it makes; on CUDA each
-    copy is a transfer."""
+    """Transitions (`fields`: name -> (shape of a row, dtype)) in tensors allocated once on the device,
+    staged in host arrays and copied in blocks (when the stage is full, and before each update): on
+    a CPU a torch call costs more than the copy it makes; on CUDA each copy is a transfer."""
 
     def __init__(self, buffer_size, fields, stage_rows, device):
-        # fields: name -> (shape of one row, dtype)
         row_bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in fields.values())
         check_memory(buffer_size * row_bytes, device, f"--buffer-size {buffer_size}")
-        self.storage = {k: torch.empty(buffer_size, *shape, dtype=dtype, device=device) for k, (shape, dtype) in fields.items()}
-        self.stage = {k: np.zeros((stage_rows, *shape), dtype=torch.empty(0, dtype=dtype).numpy().dtype) for k, (shape, dtype) in fields.items()}
+        self.storage, self.stage = {}, {}
+        for k, (shape, dtype) in fields.items():
+            self.storage[k] = torch.empty(buffer_size, *shape, dtype=dtype, device=device)
+            self.stage[k] = np.zeros((stage_rows, *shape), dtype=torch.empty(0, dtype=dtype).numpy().dtype)
         self.buffer_size, self.stage_rows, self.device = buffer_size, stage_rows, device
         self.pos = self.size = self.pending = 0
 
@@ -228,65 +266,9 @@ class ReplayBuffer:
         self.pos, self.size, self.pending = (pos + n) % self.buffer_size, min(self.size + n, self.buffer_size), 0
 
     def sample(self, batch_size):
-        """Indices of a uniform batch, drawn on the device (no host sync; a CUDA graph of the
-        update takes them as its input)."""
+        """Indices of a uniform batch, drawn on the device (no host sync; a graphed update's input)."""
         self.flush()
         return torch.randint(self.size, (batch_size,), device=self.device)
-
-
-def draw_exploration(epsilons, num_envs, n_act, device):
-    """Epsilon-greedy's draws for a block of steps at once, [num_steps, num_envs]: whether each
-    env explores at each step (a uniform below that step's epsilon) and the random action it would
-    take. Two ops per block, not two per step: a draw of a few numbers costs several us."""
-    explore = torch.rand(len(epsilons), num_envs, device=device) < torch.tensor(epsilons, device=device).unsqueeze(1)
-    return explore, torch.randint(n_act, (len(epsilons), num_envs), device=device)
-
-
-def make_policy(q_network, params, num_seeds, host):
-    """Acting: for observations [seeds * envs, n_obs] (seed k's envs in block k), the greedy action
-    of each under its seed's network (exploration is drawn on the host in the loop, as in dqn.py).
-    `params`: the Q-networks' parameters stacked on a leading seed dimension (`stack_seeds`).
-    Both forms are derived from `QNetwork`: `host` (a CPU), numpy in and out (`numpy_forward`,
-    where an op on a few numbers costs under a microsecond and a torch op several); else torch,
-    which CUDA compiles and graphs (the loop calls it through `host_arrays`)."""
-    if host:
-        forward = numpy_forward(q_network, params)
-        return lambda obs: forward(obs.reshape(num_seeds, -1, obs.shape[-1])).argmax(2).ravel()
-    forward = seeds_forward(q_network)
-    return lambda obs: forward(params, obs.view(num_seeds, -1, obs.shape[-1])).argmax(dim=2).flatten()
-
-
-def make_update(q_network, target_params, optimizer, storage, gamma, num_seeds):
-    """One gradient step of every seed on the minibatch at rows `idx` of the replay storage
-    ([buffer_size, seeds, ...]; `idx` holds num_seeds blocks of batch_size rows, block k read from
-    seed k's column). The sum of the seeds' losses is differentiated: seed k's part of its gradient
-    is its own loss's gradient, and Adam is elementwise, so one step over the stack is num_seeds
-    independent steps. The gradient comes from torch.func and the step from `Adam`, so that gather,
-    both forward passes, backward and Adam form one graph. Returns the metrics as one
-    [len(METRICS), seeds] tensor that stays on the device."""
-    forward = seeds_forward(q_network)
-    seeds = torch.arange(num_seeds, device=next(iter(storage.values())).device).unsqueeze(1)
-
-    def td_loss(params, obs, actions, td_target):
-        old_val = forward(params, obs).gather(2, actions.unsqueeze(2)).squeeze(2)
-        losses = (td_target - old_val).square().mean(dim=1)
-        return losses.sum(), (losses, old_val)
-
-    def update(idx):
-        batch = {key: value[idx.view(num_seeds, -1), seeds] for key, value in storage.items()}
-        with torch.no_grad():
-            target_max = forward(target_params, batch["next_obs"]).max(dim=2).values
-            td_target = batch["rewards"] + gamma * target_max * (1 - batch["dones"])
-        grads, (_, (losses, old_val)) = torch.func.grad_and_value(td_loss, has_aux=True)(
-            optimizer.params, batch["obs"], batch["actions"], td_target
-        )
-        optimizer.step(grads)
-        return torch.stack([losses, old_val.mean(dim=1)]).detach()
-
-    return update
-
-
-METRICS = ["losses/td_loss", "losses/q_values"]
 
 
 def evaluate(q_network, args, run_name, device):
@@ -311,13 +293,12 @@ def main(args: Args):
         fail(f"--batch-size {args.batch_size} is larger than --buffer-size {args.buffer_size}: make the buffer hold a batch")
     num_seeds, num_iterations = args.num_seeds, args.total_timesteps // args.num_envs
     device, cudagraphs = speed_toggles(args)
-    if num_seeds > 1:
-        # One line before num_seeds x num_envs envs are made: rows of float32 obs and next_obs,
-        # an int64 action, a float32 reward and done flag, buffer_size of them per seed.
+    if num_seeds > 1:  # one line before num_seeds x num_envs envs are made (rows as in `fields` below)
         probe = make_envs(args, "probe", 1)
         row_bytes = 8 * math.prod(probe.single_observation_space.shape) + 16
         probe.close()
-        check_memory(num_seeds * args.buffer_size * row_bytes, device, f"--num-seeds {num_seeds} with --buffer-size {args.buffer_size}")
+        what = f"--num-seeds {num_seeds} with --buffer-size {args.buffer_size}"
+        check_memory(num_seeds * args.buffer_size * row_bytes, device, what)
     runs = seed_runs(args, num_iterations * args.num_envs, __file__)
     run = runs[0]
 
@@ -339,38 +320,32 @@ def main(args: Args):
     for q_network in q_networks if args.load_model else []:
         run.load({"q_network": q_network})
     q_params = stack_seeds(q_networks)
+    networks = [{"q_network": net} for net in q_networks]  # what each seed's Run logs and saves
     target_params = q_params.clone()
 
     # Blocks of train_frequency steps (whole vector steps, at most the buffer) go to the device at once.
     stage_steps = max(1, min(-(-args.train_frequency // args.num_envs), args.buffer_size // args.num_envs))
     # A row holds one transition of each seed: [buffer_size, seeds, ...].
-    fields = {
-        "obs": ((num_seeds, n_obs), torch.float32),
-        "next_obs": ((num_seeds, n_obs), torch.float32),
-        "actions": ((num_seeds,), torch.int64),
-        "rewards": ((num_seeds,), torch.float32),
-        "dones": ((num_seeds,), torch.float32),
-    }
+    vector, scalar = ((num_seeds, n_obs), torch.float32), ((num_seeds,), torch.float32)
+    fields = {"obs": vector, "next_obs": vector, "actions": ((num_seeds,), torch.int64), "rewards": scalar, "dones": scalar}
     rb = ReplayBuffer(args.buffer_size, fields, stage_steps * args.num_envs, device)
 
-    def rows(x):
+    def rows(**values):
         """Per-sub-env values as buffer rows: env i of every seed in row i."""
-        return x.reshape(num_seeds, args.num_envs, *x.shape[1:]).swapaxes(0, 1)
+        return {k: x.reshape(num_seeds, args.num_envs, *x.shape[1:]).swapaxes(0, 1) for k, x in values.items()}
 
     # On CUDA, Adam's step counts live on the device (capturable), so the update never syncs.
     optimizer = Adam(q_params.items(), args.learning_rate, capturable=device.type == "cuda")
     update = make_update(q_networks[0], dict(target_params.items()), optimizer, rb.storage, args.gamma, num_seeds)
     policy = make_policy(q_networks[0], dict(q_params.items()), num_seeds, host=device.type == "cpu")
-    # --compile: the update is one graph (inductor's C++ wrapper drops the Python glue between its
-    # kernels on a CPU); the policy only on CUDA: on a CPU a compiled call's wrappers cost more
-    # than fusing a few tiny ops saves, so it acts in numpy there.
+    # --compile: the update, one graph (on a CPU inductor's C++ wrapper drops the Python glue between
+    # kernels); the policy only on CUDA: on a CPU a compiled call costs more than its few tiny ops.
     if args.compile:
         update = torch.compile(update, options={"guard_filter_fn": value_guards, "cpp_wrapper": device.type == "cpu"})
         if device.type == "cuda":
             policy = torch.compile(policy, options={"guard_filter_fn": value_guards})
     if cudagraphs:
-        update = CudaGraphModule(update)
-        policy = CudaGraphModule(policy)
+        update, policy = CudaGraphModule(update), CudaGraphModule(policy)
     if device.type != "cpu":
         policy = host_arrays(policy, device)
 
@@ -388,8 +363,10 @@ def main(args: Args):
                 if step == 0:
                     # Drawn on the host, where the env is: a step where every env explores skips the network.
                     duration = args.exploration_fraction * args.total_timesteps
-                    epsilons = [linear_schedule(args.start_e, args.end_e, duration, global_step + args.num_envs * t) for t in range(draw_steps)]
-                    explore, random_actions = (x.numpy() for x in draw_exploration(epsilons, num_seeds * args.num_envs, n_act, "cpu"))
+                    block = range(global_step, global_step + args.num_envs * draw_steps, args.num_envs)
+                    epsilons = [linear_schedule(args.start_e, args.end_e, duration, t) for t in block]
+                    draws = draw_exploration(epsilons, num_seeds * args.num_envs, n_act, "cpu")
+                    explore, random_actions = (x.numpy() for x in draws)
                 epsilon, actions = epsilons[step], random_actions[step]
                 if not explore[step].all():
                     if cudagraphs:
@@ -403,7 +380,7 @@ def main(args: Args):
                 # from the true last observation (see make_envs for the autoreset).
                 next_obs = next_obs.reshape(num_seeds * args.num_envs, n_obs).astype(np.float32, copy=False)
                 real_next = real_next_obs(next_obs, infos)
-                rb.add(obs=rows(obs), next_obs=rows(real_next), actions=rows(actions), rewards=rows(rewards), dones=rows(terminations))
+                rb.add(**rows(obs=obs, next_obs=real_next, actions=actions, rewards=rewards, dones=terminations))
                 obs = next_obs
 
                 if global_step > args.learning_starts:
@@ -419,17 +396,13 @@ def main(args: Args):
 
                 if crossings(global_step, args.num_envs, LOG_EVERY) or iteration == num_iterations - 1:
                     # note: the loop's only host sync is here, at the log points
-                    networks = [{"q_network": net} for net in q_networks]
                     if not log_seeds(runs, global_step, updates, metrics, METRICS, networks, **{"charts/epsilon": epsilon}):
                         break
     except KeyboardInterrupt:
         run.interrupt()
     envs.close()
-    finish_seeds(
-        runs, global_step, updates, [{"q_network": net} for net in q_networks],
-        lambda nets, seed_args, name: evaluate(nets["q_network"], seed_args, name, device),
-        device=device.type, cudagraphs=cudagraphs,
-    )  # fmt: skip
+    evaluate_seed = lambda nets, seed_args, name: evaluate(nets["q_network"], seed_args, name, device)
+    finish_seeds(runs, global_step, updates, networks, evaluate_seed, device=device.type, cudagraphs=cudagraphs)
 
 
 if __name__ == "__main__":

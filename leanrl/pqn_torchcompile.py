@@ -15,34 +15,43 @@ between two log points.
     python leanrl/pqn_torchcompile.py --compile --cudagraphs
 
 `--num-seeds N` trains N independent agents (seeds seed ... seed+N-1) in one process: their
-weights and RAdam states stacked on a leading seed dimension, so that acting and the update are
-one batched call for all of them, each agent on its own slice of one vector env, with its own
-minibatches and its own gradient clipping. Seed k is not bit-identical to a single run of seed+k:
-the agents share one stream of random numbers for exploration and minibatches.
+weights and RAdam states stacked on a leading seed dimension (one seed is a stack of one), so
+that acting and the update are one batched call for all of them, each agent on its own slice of
+one vector env, with its own minibatches and its own gradient clipping. Seed k is not
+bit-identical to a single run of seed+k: the agents share one stream of random numbers for
+exploration and minibatches.
 """
 
 import importlib.util
-import json
 import math
 import os
 import random
-import resource
-import signal
-import sys
-import time
-from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import gymnasium as gym
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-import tqdm
 import tyro
-from tensordict import from_module
 from tensordict.nn import CudaGraphModule
-from torch.optim.radam import radam
+
+from leanrl_utils import (
+    RAdam,
+    SameStepEnvs,
+    check_args,
+    check_memory,
+    fail,
+    finish_seeds,
+    host_arrays,
+    log_episodes,
+    log_seeds,
+    numpy_forward,
+    seed_runs,
+    seeds_forward,
+    speed_toggles,
+    stack_seeds,
+    value_guards,
+)
 
 
 @dataclass
@@ -109,10 +118,7 @@ class Args:
     cudagraphs: bool = False
     """whether to replay the hot callables as CUDA graphs (needs a CUDA device)"""
     threads: int = 1
-    """intra-op threads on a CPU (see main: one wins beside any other process)"""
-
-
-ALGORITHM = "pqn"
+    """intra-op threads on a CPU (one wins beside any other process)"""
 
 
 def make_env(env_id, idx, capture_video, run_name):
@@ -126,28 +132,6 @@ def make_env(env_id, idx, capture_video, run_name):
         return env
 
     return thunk
-
-
-class SameStepEnvs(gym.vector.SyncVectorEnv):
-    """gymnasium's SyncVectorEnv under SAME_STEP autoreset, with a shorter step: the same
-    observations, rewards, terminations and truncations, and infos holding only the episode ends
-    (final_obs, final_info: all this script reads). gymnasium's generic batching and copies cost
-    more than a small env: a step took 10 us against 18.5 (one CartPole), 34 against 49 (four),
-    38 against 51 (HalfCheetah); compiled DQN, PQN and PPO runs 8-14% faster."""
-
-    def __init__(self, env_fns):
-        super().__init__(env_fns, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
-
-    def step(self, actions):
-        observations, infos = [], {}
-        rewards, terminations, truncations = np.zeros(self.num_envs), np.zeros(self.num_envs, bool), np.zeros(self.num_envs, bool)
-        for i, (env, action) in enumerate(zip(self.envs, actions)):
-            obs, rewards[i], terminations[i], truncations[i], info = env.step(action)
-            if terminations[i] or truncations[i]:
-                infos = self._add_info(infos, {"final_obs": obs, "final_info": info}, i)
-                obs, _ = env.reset()
-            observations.append(obs)
-        return np.stack(observations), rewards, terminations, truncations, infos
 
 
 def make_envs(args, run_name, num_envs, capture_video=False):
@@ -166,21 +150,21 @@ def make_envs(args, run_name, num_envs, capture_video=False):
         # observation of the next one, so every step of a rollout is one real transition
         # (NEXT_STEP would spend a step per episode on a reset whose transition the loss must
         # leave out).
-        thunks = [make_env(args.env_id, i, capture_video, run_name) for i in range(num_envs)]
-        envs = SameStepEnvs(thunks)
+        envs = SameStepEnvs([make_env(args.env_id, i, capture_video, run_name) for i in range(num_envs)])
     except gym.error.DependencyNotInstalled as e:
         fail(f"{args.env_id} needs a missing dependency ({e})")
-    if not isinstance(envs.single_action_space, gym.spaces.Discrete):
-        fail(f"{args.env_id} has a {type(envs.single_action_space).__name__} action space; PQN handles discrete actions only (e.g. CartPole-v1)")
-    if not isinstance(envs.single_observation_space, gym.spaces.Box):
-        fail(f"{args.env_id} has a {type(envs.single_observation_space).__name__} observation space; this script handles Box observations only")
+    action_space, observation_space = envs.single_action_space, envs.single_observation_space
+    if not isinstance(action_space, gym.spaces.Discrete):
+        fail(
+            f"{args.env_id} has a {type(action_space).__name__} action space; "
+            "PQN handles discrete actions only (e.g. CartPole-v1)"
+        )
+    if not isinstance(observation_space, gym.spaces.Box):
+        fail(
+            f"{args.env_id} has a {type(observation_space).__name__} observation space; "
+            "this script handles Box observations only"
+        )
     return envs
-
-
-def seed_slice(infos, k, num_envs):
-    """Seed k's share of a vector env's infos: the values of its sub-envs, k * num_envs onwards."""
-    part = slice(k * num_envs, (k + 1) * num_envs)
-    return {key: seed_slice(value, k, num_envs) if isinstance(value, dict) else value[part] for key, value in infos.items()}
 
 
 def linear_schedule(start_e: float, end_e: float, duration: float, t: int) -> float:
@@ -216,126 +200,37 @@ class QNetwork(nn.Module):
         return self.network(x)
 
 
-def stack_seeds(networks):
-    """The networks' parameters stacked on a leading seed dimension, as flat names -> tensors.
-    Each network's parameters become views of its slice, so that it acts, evaluates and saves
-    (a state_dict the single-seed script loads) with its seed's current weights."""
-    stacked = torch.stack([from_module(net).data for net in networks]).contiguous()
-    for k, net in enumerate(networks):
-        stacked[k].to_module(net)
-    return stacked.flatten_keys(".")
-
-
-def seeds_q_values(params, x):
-    """QNetwork.forward for all seeds at once: x [seeds, rows, n_obs] -> [seeds, rows, n_act],
-    one batched matmul per layer over the stacked weights of `stack_seeds`, and each seed's
-    LayerNorm scale and shift."""
-    for linear, norm in (("network.0", "network.1"), ("network.3", "network.4")):
-        x = torch.baddbmm(params[f"{linear}.bias"].unsqueeze(1), x, params[f"{linear}.weight"].mT)
-        x = F.layer_norm(x, x.shape[-1:], eps=1e-5)  # nn.LayerNorm's eps
-        x = torch.addcmul(params[f"{norm}.bias"].unsqueeze(1), x, params[f"{norm}.weight"].unsqueeze(1)).relu()
-    return torch.baddbmm(params["network.6.bias"].unsqueeze(1), x, params["network.6.weight"].mT)
-
-
-class RAdam:
-    """torch.optim.RAdam's step as a call on tensors: torch's functional `radam` (the code that
-    `optim.RAdam.step()` runs) on state kept here, in the shape of the `Adam` of the other lean
-    scripts. In a compiled update it traces into the one graph, where `optimizer.step()` would
-    break it.
-
-    `params`: (name, parameter) pairs; their detached views are updated in place, so the modules
-    see each step. `lr` may be a 0-d tensor annealed in place. `capturable`: the rectification's
-    `if rho_t > 5` becomes a `torch.where` on the step count, which stays a tensor: needed under
-    torch.compile on every device (a branch on a tensor breaks the graph) and on CUDA (no sync);
-    torch refuses it for an eager step on a CPU. RAdam has no fused kernel, and its foreach form
-    was slower here for these six small tensors (395 us a step against 353 us, eager)."""
-
-    def __init__(self, params, lr, eps=1e-8, capturable=False):
-        self.params = {name: p.detach() for name, p in params}
-        self.exp_avgs = [torch.zeros_like(p) for p in self.params.values()]
-        self.exp_avg_sqs = [torch.zeros_like(p) for p in self.params.values()]
-        self.steps = [torch.zeros((), device=p.device) for p in self.params.values()]
-        self.lr, self.eps, self.capturable = lr, eps, capturable
-
-    @torch.no_grad()
-    def step(self, grads):
-        # torch.func may return a gradient in the layout its backward made (transposed for a
-        # weight used as `w.mT`).
-        grads = [grads[name].contiguous() for name in self.params]
-        radam(
-            list(self.params.values()), grads, self.exp_avgs, self.exp_avg_sqs, self.steps,
-            foreach=False, capturable=self.capturable,
-            beta1=0.9, beta2=0.999, lr=self.lr, weight_decay=0.0, eps=self.eps,
-        )
-
-
 def draw_exploration(epsilons, num_envs, n_act, device):
     """A rollout's epsilon-greedy draws at once, [num_steps, num_envs]: whether each env explores
     at each step (a uniform below that step's epsilon) and the random action it would take. Two
-    ops per rollout, not four per step: on a CPU each op on a few numbers costs several us, and
-    drawing per rollout made whole compiled runs 0-21% faster (3 interleaved pairs, 200k steps)."""
+    ops per rollout, not four per step: on a CPU each op on a few numbers costs several us."""
     explore = torch.rand(len(epsilons), num_envs, device=device) < torch.tensor(epsilons, device=device).unsqueeze(1)
     return explore, torch.randint(n_act, (len(epsilons), num_envs), device=device)
 
 
-def make_policy(params, num_seeds, host):
+def make_policy(q_network, params, num_seeds, host):
     """Acting: for observations [seeds * envs, n_obs] (seed k's envs in block k), the greedy action
     of each under its seed's network and its max Q (the value the Q(lambda) returns bootstrap
-    from); epsilon-greedy is mixed in by the loop. `params`: the Q-networks' parameters with a
-    leading seed dimension (`stack_seeds`, or one network's unsqueezed).
-    `host` (a CPU): numpy in and out, on views of the parameters (`Tensor.numpy()` shares their
-    memory, so every RAdam step is seen at once), where an op on a few numbers costs about a
-    microsecond and a torch op several. Each LayerNorm's mean and variance are matmuls with a
-    column of 1/n: numpy's row reductions cost several us each. Whole compiled runs (CartPole,
-    102k steps, one thread, 4 interleaved pairs, AMD EPYC): 1.29-1.33x faster than acting in
-    torch; but the same numpy policy behind torch.from_numpy, with the rollout still gathered in
-    tensors, was as slow as torch (3 pairs): the loop makes no torch call at all.
-    Else `seeds_q_values` in torch, which CUDA compiles and graphs (the loop calls it through
-    `host_arrays`)."""
-    if not host:
+    from); epsilon-greedy is mixed in by the loop. `params`: the Q-networks' parameters stacked on
+    a leading seed dimension (`stack_seeds`). Both forms are derived from `QNetwork`: `host` (a
+    CPU), numpy in and out (`numpy_forward`, where an op on a few numbers costs under a
+    microsecond and a torch op several, so the rollout loop makes no torch call at all); else
+    torch, which CUDA compiles and graphs (the loop calls it through `host_arrays`)."""
+    if host:
+        forward = numpy_forward(q_network, params)
 
-        def policy(obs):
-            value, greedy = seeds_q_values(params, obs.view(num_seeds, -1, obs.shape[-1])).max(dim=2)
-            return greedy.flatten(), value.flatten()
+        def host_policy(obs):
+            q = forward(obs.reshape(num_seeds, -1, obs.shape[-1]))
+            return q.argmax(2).ravel(), q.max(2).ravel()
 
-        return policy
+        return host_policy
+    forward = seeds_forward(q_network)
 
-    arrays = {name: t.numpy() for name, t in params.items()}
-    layers = []
-    for linear, norm in (("network.0", "network.1"), ("network.3", "network.4")):
-        width = arrays[f"{linear}.bias"].shape[1]
-        mean = np.full((width, 1), 1.0 / width, np.float32)  # x @ mean: each row's mean
-        layers.append((arrays[f"{linear}.weight"].swapaxes(1, 2), arrays[f"{linear}.bias"][:, None], mean, arrays[f"{norm}.weight"][:, None], arrays[f"{norm}.bias"][:, None]))
-    out_weight, out_bias = arrays["network.6.weight"].swapaxes(1, 2), arrays["network.6.bias"][:, None]
+    def policy(obs):
+        value, greedy = forward(params, obs.view(num_seeds, -1, obs.shape[-1])).max(dim=2)
+        return greedy.flatten(), value.flatten()
 
-    def host_policy(obs):
-        x = obs.reshape(num_seeds, -1, obs.shape[-1])
-        for weight_t, bias, mean, scale, shift in layers:
-            h = x @ weight_t
-            h += bias
-            h -= h @ mean
-            std = (h * h) @ mean
-            std += 1e-5  # nn.LayerNorm's eps
-            np.sqrt(std, out=std)
-            h /= std
-            h *= scale
-            h += shift
-            x = np.maximum(h, 0, out=h)
-        q = x @ out_weight
-        q += out_bias
-        return q.argmax(2).ravel(), q.max(2).ravel()
-
-    return host_policy
-
-
-def host_arrays(policy, device):
-    """A device policy as the loop calls it: host observations in, host actions and values out."""
-
-    def call(obs):
-        # note: .cpu() is a CPU-GPU sync point on CUDA, which the host env needs anyway
-        return [x.cpu().numpy() for x in policy(torch.from_numpy(obs).to(device))]
-
-    return call
+    return policy
 
 
 def make_returns(gamma, q_lambda):
@@ -353,54 +248,38 @@ def make_returns(gamma, q_lambda):
         decay = discount * lam
         # G[t] = base[t] + decay[t] G[t + 1] is (I - U) G = base per env, U upper bidiagonal with
         # decay[t] at (t, t + 1): one batched triangular solve, whose back substitution is that
-        # recursion. CPU, 128 x 4: 58 us eager, against 474 us eager and 124 us compiled (13 s
-        # to compile) for the recursion as a loop. Memory: num_steps**2 * num_envs floats.
+        # recursion, in a few ops where a loop costs one op per step eager and long to compile.
+        # Memory: num_steps**2 * num_envs floats.
         upper = torch.diag_embed(-decay.T[:, :-1], offset=1)  # the diagonal is taken as ones
-        return torch.linalg.solve_triangular(upper, base.T.unsqueeze(2), upper=True, unitriangular=True).squeeze(2).T.contiguous()
+        solved = torch.linalg.solve_triangular(upper, base.T.unsqueeze(2), upper=True, unitriangular=True)
+        return solved.squeeze(2).T.contiguous()
 
     return returns_fn
 
 
-def make_update(q_network, optimizer, max_grad_norm):
-    """One minibatch step on rows `idx` of the flattened rollout as a pure function of tensors,
-    so that torch.compile sees all of it as one graph (`fullgraph=True`): the gather, forward,
-    backward (`torch.func`), gradient clipping and RAdam. Returns the METRICS as one tensor that
-    stays on the device."""
-
-    def td_loss(params, obs, actions, returns):
-        old_val = torch.func.functional_call(q_network, params, (obs,)).gather(1, actions.unsqueeze(1)).squeeze(1)
-        return F.mse_loss(returns, old_val), old_val
-
-    def update(obs, actions, returns, idx):
-        grads, (loss, old_val) = torch.func.grad_and_value(td_loss, has_aux=True)(optimizer.params, obs[idx], actions[idx], returns[idx])
-        # nn.utils.clip_grad_norm_, on the gradients before the step
-        grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
-        clip = (max_grad_norm / (grad_norm + 1e-6)).clamp(max=1.0)
-        optimizer.step({name: g * clip for name, g in grads.items()})
-        return torch.stack([loss, old_val.mean()]).detach()
-
-    return update
-
-
-def make_seeds_update(optimizer, max_grad_norm, num_seeds):
-    """make_update for stacked seeds, one graph for all: obs, actions and returns are
-    [seeds, batch, ...], `idx` [seeds, minibatch] holds each seed's own rows. The sum of the
-    seeds' losses is differentiated: seed k's part of its gradient is its own loss's gradient;
-    each seed's gradient is clipped by its own norm, and RAdam is elementwise, so one step over
-    the stack is num_seeds independent steps. Returns the metrics as one [len(METRICS), seeds]
-    tensor."""
+def make_update(q_network, optimizer, max_grad_norm, num_seeds):
+    """One minibatch step of every seed as a pure function of tensors, so that torch.compile sees
+    all of it as one graph (`fullgraph=True`): the gather, forward, backward (`torch.func`),
+    gradient clipping and RAdam. obs, actions and returns are [seeds, batch, ...], `idx`
+    [seeds, minibatch] holds each seed's own rows. The sum of the seeds' losses is differentiated:
+    seed k's part of its gradient is its own loss's gradient; each seed's gradient is clipped by
+    its own norm, and RAdam is elementwise, so one step over the stack is num_seeds independent
+    steps. Returns the METRICS as one [len(METRICS), seeds] tensor that stays on the device."""
+    forward = seeds_forward(q_network)
     seeds = torch.arange(num_seeds, device=next(iter(optimizer.params.values())).device).unsqueeze(1)
 
     def td_loss(params, obs, actions, returns):
-        old_val = seeds_q_values(params, obs).gather(2, actions.unsqueeze(2)).squeeze(2)
+        old_val = forward(params, obs).gather(2, actions.unsqueeze(2)).squeeze(2)
         losses = (returns - old_val).square().mean(dim=1)
         return losses.sum(), (losses, old_val)
 
     def update(obs, actions, returns, idx):
-        grads, (_, (losses, old_val)) = torch.func.grad_and_value(td_loss, has_aux=True)(optimizer.params, obs[seeds, idx], actions[seeds, idx], returns[seeds, idx])
+        grads, (_, (losses, old_val)) = torch.func.grad_and_value(td_loss, has_aux=True)(
+            optimizer.params, obs[seeds, idx], actions[seeds, idx], returns[seeds, idx]
+        )
         # nn.utils.clip_grad_norm_ per seed: the norm over each seed's slices of the gradients
-        grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.flatten(1), dim=1) for g in grads.values()]), dim=0)
-        clip = (max_grad_norm / (grad_norm + 1e-6)).clamp(max=1.0)
+        norms = [torch.linalg.vector_norm(g.flatten(1), dim=1) for g in grads.values()]
+        clip = (max_grad_norm / (torch.linalg.vector_norm(torch.stack(norms), dim=0) + 1e-6)).clamp(max=1.0)
         optimizer.step({name: g * clip.view(-1, *[1] * (g.dim() - 1)) for name, g in grads.items()})
         return torch.stack([losses, old_val.mean(dim=1)]).detach()
 
@@ -426,354 +305,40 @@ def evaluate(q_network, args, run_name, device):
     return float(np.mean(returns[: args.eval_episodes]))
 
 
-# The guards torch.compile checks before each call of a compiled function (its guard_filter_fn):
-# those that tell one value from another (tensor shapes, dtypes and devices, constants, object
-# identities and types, grad mode, the function's own closures), so that an update built again
-# with other tensors or hyper-parameters in the same process compiles anew. Dropped: the checks
-# that modules, hooks, containers and library functions are as they were, which these scripts
-# never change. DQN's compiled update: 188 us a call with every guard, 165 with these, 148 with none.
-VALUE_GUARDS = {"TENSOR_MATCH", "CONSTANT_MATCH", "EQUALS_MATCH", "ID_MATCH", "TYPE_MATCH", "GRAD_MODE"}
-
-
-def value_guards(entries):
-    return [entry.guard_type in VALUE_GUARDS or (entry.guard_type == "CLOSURE_MATCH" and not entry.is_global) for entry in entries]
-
-
-# ---------------------------------------------------------------- RUN
-# The same block in every LeanRL script: argument rules, the run's folder and metrics, signals,
-# checkpoints and the summary line. Nothing in it is specific to one algorithm.
-
-# One rule per flag, the same in every script that has the flag.
-COUNTS = ("num_seeds", "threads", "num_envs", "num_steps", "num_minibatches", "update_epochs", "batch_size", "buffer_size",
-          "train_frequency", "target_network_frequency", "policy_frequency")
-RULES = {
-    "seed": (lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)"),
-    **{k: (lambda v: v >= 0, "0 or more") for k in ("total_timesteps", "learning_starts", "eval_episodes")},
-    **{k: (lambda v: v >= 1, "1 or more") for k in COUNTS},
-    **{k: (lambda v: math.isfinite(v) and v > 0, "a finite number > 0") for k in ("learning_rate", "q_lr", "policy_lr", "max_grad_norm")},
-    **{k: (lambda v: 0 < v <= 1, "a number in (0, 1]") for k in ("gamma", "tau")},
-    **{k: (lambda v: 0 <= v <= 1, "a number in [0, 1]") for k in ("gae_lambda", "start_e", "end_e", "exploration_fraction")},
-    **{k: (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
-       for k in ("clip_coef", "ent_coef", "vf_coef", "alpha", "policy_noise", "noise_clip", "exploration_noise")},
-    "target_kl": (lambda v: v is None or (math.isfinite(v) and v > 0), "a finite number > 0"),
-}
-
-
-def fail(message):
-    """Bad input ends the run with one line on stderr and exit status 2, never a traceback."""
-    sys.stderr.write(f"error: {message}\n")  # one write: ranks sharing a stderr cannot split it
-    sys.exit(2)
-
-
-def check_args(args):
-    for name, value in vars(args).items():
-        if name in RULES and not RULES[name][0](value):
-            fail(f"--{name.replace('_', '-')} {value} is out of range: use {RULES[name][1]}")
-    if args.total_timesteps == 0 and not args.load_model:
-        fail("--total-timesteps 0 trains nothing: give a budget, or --load-model to evaluate a checkpoint")
-
-
-def check_memory(nbytes, device, what):
-    """One line, before any work, for a buffer that will not fit in the device's free memory."""
-    try:
-        if device.type == "cuda":
-            free = torch.cuda.mem_get_info(device)[0]
-        else:
-            free = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return
-    if nbytes > free:
-        fail(f"{what} needs {nbytes / 2**30:.1f} GiB and {device.type} has {free / 2**30:.1f} GiB free: make it smaller")
-
-
-def atomic_save(obj, path):
-    """Write then rename: a crash mid-save leaves the previous file whole, never a broken one."""
-    torch.save(obj, path + ".tmp")
-    os.replace(path + ".tmp", path)
-    return path
-
-
-def load_checkpoint(path, networks, env_id):
-    """Load a checkpoint of either script of the pair into `networks` (name -> module). Tensors
-    and plain types only (weights_only=True): a checkpoint cannot run code."""
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch.load raises many types for a file that is no checkpoint
-        fail(f"cannot load {path!r} ({type(e).__name__}): pass a file written by --save-model of {ALGORITHM}")
-    saved = checkpoint.get("algorithm") if isinstance(checkpoint, dict) else None
-    if saved != ALGORITHM:
-        fail(f"{path!r} is not a {ALGORITHM} checkpoint ({saved or 'unknown'}): pass one saved by {ALGORITHM}")
-    try:
-        for name, network in networks.items():
-            network.load_state_dict(checkpoint["model"][name])
-    except (KeyError, RuntimeError):
-        hint = f"pass --env-id {checkpoint['env_id']}" if checkpoint["env_id"] != env_id else "use the sizes it was trained with"
-        fail(f"{path!r} holds {ALGORITHM} networks for {checkpoint['env_id']} of other sizes: {hint}")
-
-
-class Run:
-    """Around the training loop: the folder runs/<run_name> (TensorBoard events when tensorboard
-    is installed, curve.csv, the checkpoint), wandb with --track, the progress bar, steps/s after
-    warm-up, SIGTERM handled as Ctrl-C, and the one-line JSON summary. Under torchrun only rank 0
-    writes, prints, tracks, saves and evaluates.
-
-    --num-seeds: one Run per seed, each with its own folder, checkpoint and wandb run (one group);
-    the first is the `lead` of the others: it alone handles SIGTERM, shows the bar and prints the
-    summary, all three for every seed, and finishes last."""
-
-    def __init__(self, args, total_steps, warmup_updates=3, rank=0, lead=None):
-        self.args, self.warmup_updates, self.main = args, warmup_updates, rank == 0
-        self.lead, self.seeds, self.eval_return = lead or self, [self], None
-        if lead:
-            lead.seeds.append(self)
-        self.time = lead.time if lead else int(time.time())
-        self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{self.time}"
-        self.dir = f"runs/{self.name}"
-        self.wandb = self.writer = self.last_good = self.stop_reason = self.warmup_s = self.last_sps = None
-        self.interrupted, self.returns, self.points = False, deque(maxlen=10), []
-        self.step = self.updates = self.warm_step = 0
-        self.total_steps, self.bar = total_steps, None
-        self.start = self.warm_time = time.perf_counter()
-        if not lead:
-            signal.signal(signal.SIGTERM, self.on_sigterm)
-            sys.excepthook = self.on_uncaught
-        if not self.main:
-            self.curve = open(os.devnull, "w")
-            return
-        if args.track:
-            try:
-                import wandb
-            except ImportError:
-                fail("--track needs wandb: pip install wandb (or the extra leanrl[track])")
-            self.wandb = wandb
-        try:
-            os.makedirs(self.dir, exist_ok=True)
-            self.curve = open(f"{self.dir}/curve.csv", "w")
-        except OSError as e:
-            fail(f"cannot write {self.dir} ({e.strerror}): run from a folder you can write to")
-        self.curve.write("step,seconds,episodic_return\n")
-        try:
-            from tensorboard.compat.proto.summary_pb2 import Summary
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer, self.summary = SummaryWriter(self.dir), Summary
-            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
-        except ImportError:
-            if not lead:
-                print("notice: tensorboard is not installed; metrics go to --track only (pip install tensorboard)", file=sys.stderr)
-        if self.wandb:
-            # Several runs live at once only with reinit="create_new" (wandb 0.19.10 or later).
-            seeds = {"group": self.lead.name, "reinit": "create_new"} if getattr(args, "num_seeds", 1) > 1 else {}
-            self.wandb = self.wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=self.name, save_code=True, **seeds)
-
-    def on_sigterm(self, signum, frame):
-        """Schedulers stop jobs with SIGTERM: end the run as Ctrl-C does, saving first."""
-        self.interrupted = signal.SIGTERM
-        raise KeyboardInterrupt
-
-    def on_uncaught(self, kind, value, traceback):
-        """Ctrl-C or SIGTERM outside the training loop (while envs and networks are made): the
-        summary and exit status of an interrupted run, not a traceback. One that lands inside an
-        import may come as the cause of another error: Python 3.11 wraps what a `__set_name__`
-        raises in a RuntimeError, and building a torch optimizer imports torch._dynamo, which
-        runs many."""
-        interrupt = value
-        while interrupt is not None and not isinstance(interrupt, KeyboardInterrupt):
-            interrupt = interrupt.__cause__
-        if interrupt is None:
-            return sys.__excepthook__(kind, value, traceback)
-        self.interrupted = self.interrupted or signal.SIGINT
-        try:
-            self.finish(self.step, self.updates, {}, None)
-        except SystemExit as e:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(e.code)
-
-    def scalars(self, step, values):
-        """One point of the charts at `step`, written at the next log point (`write`)."""
-        self.points.append((step, values))
-
-    def write(self):
-        """The points since the last log point, handed to TensorBoard and wandb at once.
-        TensorBoard's writer thread takes the GIL for each event it is handed: one at a time (a
-        finished episode every few steps in lean PQN) cost 8% of its steps/s, in one go 3%."""
-        # Ctrl-C and SIGTERM wait until the writers are done: a KeyboardInterrupt inside
-        # TensorBoard's writer can leave it so that close() hangs (tensorboard 2.21).
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        try:
-            for step, values in self.points:
-                if self.writer:
-                    # One event holds all the values: add_scalar writes one per value, and each
-                    # costs about 40 us on a CPU (10 metrics at every log point, 2 per episode).
-                    summary = self.summary(value=[self.summary.Value(tag=k, simple_value=float(v)) for k, v in values.items()])
-                    self.writer.file_writer.add_summary(summary, step)
-                if self.wandb:
-                    self.wandb.log(values, step=step)
-            self.points.clear()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-
-    def episodes(self, step, infos):
-        """CleanRL's charts, one point per finished episode."""
-        for _, r, n in self.finished(step, infos):
-            self.record(step, r, n)
-
-    @staticmethod
-    def finished(step, infos):
-        """The episodes that ended in `infos`, as (step, return, length), from gymnasium's episode
-        statistics (in infos["final_info"] under SAME_STEP autoreset)."""
-        info = infos.get("final_info", infos)
-        if "episode" not in info:
-            return []
-        done = info["_episode"]
-        return [(step, float(r), int(n)) for r, n in zip(info["episode"]["r"][done], info["episode"]["l"][done])]
-
-    def record(self, step, r, n):
-        self.returns.append(r)
-        self.scalars(step, {"charts/episodic_return": r, "charts/episodic_length": n})
-
-    def seed_returns(self):
-        """Each seed's mean return over its last 10 episodes (None before its first), in seed order."""
-        return [float(np.mean(run.returns)) if run.returns else None for run in self.seeds]
-
-    def sps(self):
-        if self.warmup_s is None or self.step <= self.warm_step:
-            return None
-        return (self.step - self.warm_step) / (time.perf_counter() - self.warm_time)
-
-    def log(self, step, updates, metrics, networks):
-        """A log point: steps/s (from the first log point with `warmup_updates` updates done, when
-        every compiled callable has run), bar, curve, metrics, and the weights as last good if
-        they are finite (with --save-model)."""
-        self.bar = self.bar or tqdm.tqdm(total=self.total_steps * len(self.seeds), file=sys.stderr, disable=not self.main or self.lead is not self)
-        self.bar.update((step - self.step) * len(self.seeds))
-        self.step, self.updates, now = step, updates, time.perf_counter()
-        if self.warmup_s is None and updates >= self.warmup_updates:
-            self.warmup_s, self.warm_step, self.warm_time = now - self.start, step, now
-        # The summary's steps/s is the last log point's: closing envs and saving are not training.
-        sps = self.last_sps = self.sps()
-        mean_return = np.mean(self.returns) if self.returns else float("nan")
-        means = [m for m in self.seed_returns() if m is not None]
-        self.bar.set_description(f"sps={(sps or float('nan')) * len(self.seeds):6.0f} return={np.mean(means) if means else float('nan'):8.2f}")
-        if self.returns:
-            self.curve.write(f"{step},{now - self.start:.3f},{mean_return:.3f}\n")
-        self.scalars(step, {**metrics, "charts/SPS": sps or 0.0})
-        self.write()
-        if self.args.save_model:
-            state = {name: {k: v.detach().clone() for k, v in net.state_dict().items()} for name, net in networks.items()}
-            if torch.stack([v.isfinite().all() for sd in state.values() for v in sd.values()]).all():
-                self.last_good = state
-
-    def finish(self, step, updates, networks, evaluate, **fields):
-        """Save, evaluate, close and print the summary. Exit 1 after a non-finite loss, 130 after
-        Ctrl-C, 143 after SIGTERM; a checkpoint is only ever saved from finite weights."""
-        self.step, self.updates = step, updates
-        end_sps, wall_s = self.last_sps, time.perf_counter() - self.start
-        # A second Ctrl-C or SIGTERM must not break the save or the summary (evaluation aside).
-        handlers = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if self.bar:
-            self.bar.close()
-        if self.interrupted and self.main and self.lead is self:
-            print(f"notice: interrupted at step {self.step}; saving what there is", file=sys.stderr)
-        checkpoint, state = None, self.last_good
-        if self.args.save_model and self.main and networks:
-            current = {name: net.state_dict() for name, net in networks.items()}
-            if self.stop_reason is None and all(v.isfinite().all() for sd in current.values() for v in sd.values()):
-                state = current
-            if state is None:
-                print("notice: the weights were never finite at a log point; no checkpoint saved", file=sys.stderr)
-            else:
-                # A copy: a seed's weights are a view of all seeds' storage, which torch.save writes whole.
-                model = {name: {k: v.detach().to("cpu", copy=True) for k, v in sd.items()} for name, sd in state.items()}
-                saved = {"algorithm": ALGORITHM, "env_id": self.args.env_id, "args": vars(self.args), "model": model}
-                checkpoint = atomic_save(saved, f"{self.dir}/{self.args.exp_name}.pt")
-                print(f"notice: model saved to {checkpoint}", file=sys.stderr)
-        eval_return = None
-        if self.args.eval_episodes > 0 and self.main and self.stop_reason is None and not (self.interrupted or self.lead.interrupted):
-            signal.signal(signal.SIGINT, handlers[0])
-            signal.signal(signal.SIGTERM, handlers[1])
-            try:
-                eval_return = evaluate()
-            except KeyboardInterrupt:
-                self.interrupted = self.interrupted or signal.SIGINT
-                self.lead.interrupted = self.lead.interrupted or self.interrupted
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        self.curve.close()
-        self.write()
-        if self.writer:
-            self.writer.close()
-        if self.wandb:
-            self.wandb.finish()
-        self.eval_return = eval_return
-        if self.lead is not self:
-            signal.signal(signal.SIGINT, handlers[0])
-            signal.signal(signal.SIGTERM, handlers[1])
-            return
-        returns, evals = self.seed_returns(), [run.eval_return for run in self.seeds]
-        found = [m for m in returns if m is not None]
-        per_seed = {"episodic_returns": [None if m is None else round(m, 3) for m in returns],
-                    "eval_returns": [None if m is None else round(m, 3) for m in evals]}
-        summary = {
-            "script": os.path.basename(__file__), "env_id": self.args.env_id, "seed": self.args.seed, "num_seeds": len(self.seeds),
-            "compile": getattr(self.args, "compile", False), "cudagraphs": False, **fields,
-            "total_steps": self.step, "updates": self.updates, "wall_s": wall_s, "sps": end_sps and end_sps * len(self.seeds),
-            "warmup_s": self.warmup_s, "episodic_return": np.mean(found) if found else None,
-            **(per_seed if len(self.seeds) > 1 else {}),
-            "eval_return": np.mean(evals) if None not in evals else None, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "interrupted": bool(self.interrupted), "checkpoint": checkpoint, "run_dir": self.dir,
-        }
-        # Strict JSON: non-finite numbers become null.
-        summary = {k: (round(float(v), 3) if math.isfinite(v) else None) if isinstance(v, (float, np.floating)) else v for k, v in summary.items()}
-        if self.main:
-            print(json.dumps(summary), flush=True)
-        if self.stop_reason:
-            print(f"error: {self.stop_reason}", file=sys.stderr)
-            sys.exit(1)
-        if self.interrupted:
-            sys.exit(143 if self.interrupted == signal.SIGTERM else 130)
-
-
 def main(args: Args):
     check_args(args)
     batch_size = args.num_envs * args.num_steps
     if args.total_timesteps < batch_size and not (args.total_timesteps == 0 and args.load_model):
-        fail(f"--total-timesteps {args.total_timesteps} is less than one batch (num_envs * num_steps = {batch_size}): give at least {batch_size}")
+        fail(
+            f"--total-timesteps {args.total_timesteps} is less than one batch (num_envs * num_steps = {batch_size}): "
+            f"give at least {batch_size}"
+        )
     if batch_size % args.num_minibatches:
-        fail(f"--num-minibatches {args.num_minibatches} does not divide the batch of {batch_size} (num_envs * num_steps): pass a divisor of it")
+        fail(
+            f"--num-minibatches {args.num_minibatches} does not divide the batch of {batch_size} (num_envs * num_steps): "
+            "pass a divisor of it"
+        )
     if not 0 <= args.q_lambda <= 1:
         fail(f"--q-lambda {args.q_lambda} is out of range: use a number in [0, 1]")
     minibatch_size = batch_size // args.num_minibatches
     num_seeds, num_iterations = args.num_seeds, args.total_timesteps // batch_size
-    if args.seed + num_seeds > 2**32:
-        fail(f"--seed {args.seed} + --num-seeds {num_seeds} passes 2**32: use a smaller seed")
-    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
-    if device.type == "cpu":
-        # One intra-op thread unless --threads says more (2-core CPU, --compile, steps/s with 1
-        # and 2 threads): idle, DQN 5,847 and 4,191, PPO 2,139 and 1,995, Atari PQN 196 and 273,
-        # Atari PPO 295 and 380; beside one busy process, DQN 4,916 and 1,543, PPO 1,999 and
-        # 1,541, Atari PQN 177 and 110, Atari PPO 299 and 168. More threads pay only for the Atari
-        # convolutions on an idle machine, and stall every script beside anything else.
-        torch.set_num_threads(args.threads)
+    device, cudagraphs = speed_toggles(args)
     if num_seeds > 1:
         # One line before num_seeds x num_envs envs are made: per step of a sub-env, float32 obs
         # (three copies), values, rewards, dones and returns, an int64 action and a row of the
-        # returns' triangular solve; 16 KiB per sub-env (a CartPole: about 9 KiB).
+        # returns' triangular solve; 16 KiB per sub-env for the env itself.
         probe = make_envs(args, "probe", 1)
         row_bytes = 12 * math.prod(probe.single_observation_space.shape) + 24 + 4 * args.num_steps
         probe.close()
-        check_memory(num_seeds * args.num_envs * (args.num_steps * row_bytes + 2**14), device, f"--num-seeds {num_seeds} with --num-envs {args.num_envs}")
-    run = Run(args, num_iterations * batch_size)
-    runs = [run] + [Run(replace(args, seed=args.seed + k), run.total_steps, lead=run) for k in range(1, num_seeds)]
+        what = f"--num-seeds {num_seeds} with --num-envs {args.num_envs}"
+        check_memory(num_seeds * args.num_envs * (args.num_steps * row_bytes + 2**14), device, what)
+    runs = seed_runs(args, num_iterations * batch_size, __file__)
+    run = runs[0]
 
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
-    cudagraphs = args.cudagraphs and device.type == "cuda"
-    if args.cudagraphs and not cudagraphs:
-        print("notice: --cudagraphs needs a CUDA device; running without CUDA graphs", file=sys.stderr)
 
     # Sub-env k * num_envs + i is env i of seed k.
     sub_envs = num_seeds * args.num_envs
@@ -781,53 +346,42 @@ def main(args: Args):
     n_obs = math.prod(envs.single_observation_space.shape)
     n_act = int(envs.single_action_space.n)
 
-    q_network = QNetwork(n_obs, n_act, device=device)
-    if args.load_model:
-        load_checkpoint(args.load_model, {"q_network": q_network}, args.env_id)
+    q_networks = [QNetwork(n_obs, n_act, device=device)]
+    for k in range(1, num_seeds):
+        torch.manual_seed(args.seed + k)  # seed k starts from the weights a single run of seed + k starts from
+        q_networks.append(QNetwork(n_obs, n_act, device=device))
+    for q_network in q_networks if args.load_model else []:
+        run.load({"q_network": q_network})
+    q_params = stack_seeds(q_networks)
+
     # The learning rate is a tensor annealed in place, so annealing never recompiles the update.
+    # RAdam is capturable under torch.compile (its rectification's branch becomes a torch.where)
+    # and on CUDA (no sync).
     lr = torch.tensor(args.learning_rate, device=device)
-    capturable, q_networks = args.compile or device.type == "cuda", [q_network]
-    if num_seeds == 1:
-        optimizer = RAdam(q_network.named_parameters(), lr, capturable=capturable)
-        params = {name: p.detach().unsqueeze(0) for name, p in q_network.named_parameters()}
-        update = make_update(q_network, optimizer, args.max_grad_norm)
-    else:
-        for k in range(1, num_seeds):
-            # Seed k starts from the weights a single run of seed + k starts from.
-            torch.manual_seed(args.seed + k)
-            q_networks.append(QNetwork(n_obs, n_act, device=device))
-            if args.load_model:
-                load_checkpoint(args.load_model, {"q_network": q_networks[k]}, args.env_id)
-        q_params = stack_seeds(q_networks)
-        optimizer = RAdam(q_params.items(), lr, capturable=capturable)
-        params = dict(q_params.items())
-        update = make_seeds_update(optimizer, args.max_grad_norm, num_seeds)
-    policy = make_policy(params, num_seeds, host=device.type == "cpu")
+    optimizer = RAdam(q_params.items(), lr, capturable=args.compile or device.type == "cuda")
+    update = make_update(q_networks[0], optimizer, args.max_grad_norm, num_seeds)
+    policy = make_policy(q_networks[0], dict(q_params.items()), num_seeds, host=device.type == "cpu")
+    returns_fn = make_returns(args.gamma, args.q_lambda)
 
     def by_seed(x):
         """[num_steps, seeds * envs, ...] -> [seeds, num_steps * envs, ...]: each seed's rollout
         flattened as a single run flattens its own."""
-        return x.view(args.num_steps, num_seeds, args.num_envs, *x.shape[2:]).transpose(0, 1).reshape(num_seeds, batch_size, *x.shape[2:])
+        x = x.view(args.num_steps, num_seeds, args.num_envs, *x.shape[2:]).transpose(0, 1)
+        return x.reshape(num_seeds, batch_size, *x.shape[3:])
 
     # The rollout: host arrays, where the envs and acting are (one copy per field per rollout to
     # the device).
     steps_envs = (args.num_steps, sub_envs)
     stage = {"obs": np.zeros((*steps_envs, n_obs), np.float32), "actions": np.zeros(steps_envs, np.int64),
-             **{k: np.zeros(steps_envs, np.float32) for k in ("values", "rewards", "dones")}}
+             **{k: np.zeros(steps_envs, np.float32) for k in ("values", "rewards", "dones")}}  # fmt: skip
     storage = {k: torch.from_numpy(v).to(device, copy=True) for k, v in stage.items()}
 
-    returns_fn = make_returns(args.gamma, args.q_lambda)
-    # What --compile compiles (2-core CPU, torch 2.13, one thread, CartPole, best of 7 runs):
-    # - update: 1447 us eager, 331 us compiled per minibatch of 128 (one graph of C++ kernels
-    #   around 6 matmuls; the eager RAdam alone is 353 us of Python over six tensors). On a CPU
-    #   it runs through inductor's C++ wrapper, which drops the Python glue between kernels
-    #   (another day, with value_guards: 220 us without the wrapper, 183-194 us with it; whole
-    #   runs 1.02-1.04x, 3 pinned pairs);
-    # - policy: for 4 observations, 21 us in torch eager, 32 us compiled and 29 us with the C++
-    #   wrapper (with value_guards; the compiled call's wrappers cost more than fusing a dozen
-    #   tiny ops saves), so on a CPU it is numpy (make_policy), and compiled on CUDA.
+    # --compile: the update is one graph (inductor's C++ wrapper drops the Python glue between its
+    # kernels on a CPU); the policy only on CUDA: on a CPU a compiled call's wrappers cost more
+    # than fusing a dozen tiny ops saves, so it acts in numpy there.
     if args.compile:
-        update = torch.compile(update, fullgraph=True, options={"guard_filter_fn": value_guards, "cpp_wrapper": device.type == "cpu"})
+        options = {"guard_filter_fn": value_guards, "cpp_wrapper": device.type == "cpu"}
+        update = torch.compile(update, fullgraph=True, options=options)
         if device.type == "cuda":
             policy = torch.compile(policy, options={"guard_filter_fn": value_guards})
     if cudagraphs:
@@ -838,7 +392,8 @@ def main(args: Args):
         policy = host_arrays(policy, device)
 
     global_step = updates = 0
-    epsilon_value, lr_now = args.start_e, args.learning_rate
+    metrics, epsilon, lr_now = None, args.start_e, args.learning_rate
+    duration = args.exploration_fraction * args.total_timesteps
     # Env i of seed k gets the env seed a single run of seed + k gives it.
     obs, _ = envs.reset(seed=[args.seed + k + i for k in range(num_seeds) for i in range(args.num_envs)])
     obs = obs.reshape(sub_envs, n_obs).astype(np.float32, copy=False)
@@ -851,11 +406,13 @@ def main(args: Args):
                     lr.copy_(lr_now)
 
                 # Each step's epsilon is the schedule's after counting that step's env steps.
-                epsilons = [linear_schedule(args.start_e, args.end_e, args.exploration_fraction * args.total_timesteps, global_step + args.num_envs * (t + 1))
-                            for t in range(args.num_steps)]
+                epsilons = [
+                    linear_schedule(args.start_e, args.end_e, duration, global_step + args.num_envs * (t + 1))
+                    for t in range(args.num_steps)
+                ]
                 # Drawn on the host, where acting mixes them in.
                 explore, random_actions = (x.numpy() for x in draw_exploration(epsilons, sub_envs, n_act, "cpu"))
-                epsilon_value = epsilons[-1]
+                epsilon = epsilons[-1]
                 for step in range(args.num_steps):
                     global_step += args.num_envs
                     stage["obs"][step] = obs
@@ -867,11 +424,7 @@ def main(args: Args):
                     next_obs, reward, termination, truncation, infos = envs.step(action)
                     stage["rewards"][step] = reward
                     stage["dones"][step] = termination | truncation  # a time limit ends the return too
-                    if num_seeds == 1:
-                        run.episodes(global_step, infos)
-                    elif "final_info" in infos:
-                        for k, seed_run in enumerate(runs):
-                            seed_run.episodes(global_step, seed_slice(infos["final_info"], k, args.num_envs))
+                    log_episodes(runs, global_step, infos, args.num_envs)
                     obs = next_obs.reshape(sub_envs, n_obs).astype(np.float32, copy=False)
 
                 if cudagraphs:
@@ -881,14 +434,11 @@ def main(args: Args):
                     storage[key].copy_(torch.from_numpy(staged))
                 returns = returns_fn(storage["rewards"], storage["values"], next_value, storage["dones"])
 
-                if num_seeds == 1:
-                    batch = (storage["obs"].view(batch_size, n_obs), storage["actions"].view(batch_size), returns.view(batch_size))
-                else:
-                    batch = (by_seed(storage["obs"]), by_seed(storage["actions"]), by_seed(returns))
+                batch = (by_seed(storage["obs"]), by_seed(storage["actions"]), by_seed(returns))
                 for epoch in range(args.update_epochs):
-                    # With several seeds, each its own order of its own rows.
-                    order = torch.randperm(batch_size, device=device) if num_seeds == 1 else torch.rand(num_seeds, batch_size, device=device).argsort(dim=1)
-                    for idx in order.split(minibatch_size, dim=-1):
+                    # Each seed its own order of its own rows.
+                    order = torch.stack([torch.randperm(batch_size, device=device) for _ in range(num_seeds)])
+                    for idx in order.split(minibatch_size, dim=1):
                         if cudagraphs:
                             torch.compiler.cudagraph_mark_step_begin()
                         # The graphed output is overwritten by the next call; only the latest is read.
@@ -897,22 +447,18 @@ def main(args: Args):
 
                 # As CleanRL: the last minibatch's loss and Q-values.
                 # note: the loop's only host sync is here, once per iteration
-                seed_stats = [dict(zip(METRICS, values)) for values in metrics.view(len(METRICS), -1).T.tolist()]
-                diverged = [k for k, stats in enumerate(seed_stats) if not math.isfinite(stats["losses/td_loss"])]
-                if diverged:
-                    k, which = diverged[0], f" (seed {args.seed + diverged[0]})" if num_seeds > 1 else ""
-                    for seed_run in runs:
-                        seed_run.stop_reason = f"non-finite td_loss {seed_stats[k]['losses/td_loss']} at step {global_step}{which}"
+                networks = [{"q_network": net} for net in q_networks]
+                charts = {"charts/learning_rate": lr_now, "charts/epsilon": epsilon}
+                if not log_seeds(runs, global_step, updates, metrics, METRICS, networks, **charts):
                     break
-                for seed_run, stats, net in zip(runs, seed_stats, q_networks):
-                    seed_run.log(global_step, updates, {"charts/learning_rate": lr_now, **stats, "charts/epsilon": epsilon_value}, {"q_network": net})
     except KeyboardInterrupt:
-        for seed_run in runs:
-            seed_run.interrupted = run.interrupted or signal.SIGINT
+        run.interrupt()
     envs.close()
-    # The lead finishes last: its summary reports every seed.
-    for seed_run, net in reversed(list(zip(runs, q_networks))):
-        seed_run.finish(global_step, updates, {"q_network": net}, lambda: evaluate(net, seed_run.args, seed_run.name, device), device=device.type, cudagraphs=cudagraphs)
+    finish_seeds(
+        runs, global_step, updates, [{"q_network": net} for net in q_networks],
+        lambda nets, seed_args, name: evaluate(nets["q_network"], seed_args, name, device),
+        device=device.type, cudagraphs=cudagraphs,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

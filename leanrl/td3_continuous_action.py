@@ -13,15 +13,9 @@ speed-ups are measured against.
 """
 
 import importlib.util
-import json
 import math
 import os
 import random
-import resource
-import signal
-import sys
-import time
-from collections import deque
 from dataclasses import dataclass
 
 import gymnasium as gym
@@ -30,8 +24,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
-import tqdm
 import tyro
+
+from leanrl_utils import Run, check_args, check_memory, fail, real_next_obs
 
 
 @dataclass
@@ -89,7 +84,6 @@ class Args:
     """noise clip parameter of the Target Policy Smoothing Regularization"""
 
 
-ALGORITHM = "td3_continuous_action"
 # Losses and the progress bar are logged every LOG_EVERY environment steps, as in CleanRL.
 LOG_EVERY = 100
 
@@ -128,22 +122,15 @@ def make_envs(args, run_name, num_envs, capture_video=False):
         envs = gym.vector.SyncVectorEnv(thunks, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
     except gym.error.DependencyNotInstalled as e:
         fail(f"{args.env_id} needs a missing dependency ({e}): for MuJoCo envs, pip install 'leanrl[mujoco]'")
-    if not isinstance(envs.single_action_space, gym.spaces.Box):
-        fail(f"{args.env_id} has a {type(envs.single_action_space).__name__} action space; TD3 handles continuous (Box) actions only")
-    if not isinstance(envs.single_observation_space, gym.spaces.Box) or len(envs.single_observation_space.shape) != 1:
-        fail(f"{args.env_id} has observations of type {type(envs.single_observation_space).__name__}; this script handles flat Box observations only")
+    action_space, observation_space = envs.single_action_space, envs.single_observation_space
+    if not isinstance(action_space, gym.spaces.Box):
+        fail(f"{args.env_id} has a {type(action_space).__name__} action space; TD3 handles continuous (Box) actions only")
+    if not isinstance(observation_space, gym.spaces.Box) or len(observation_space.shape) != 1:
+        fail(
+            f"{args.env_id} has observations of type {type(observation_space).__name__}; "
+            "this script handles flat Box observations only"
+        )
     return envs
-
-
-def real_next_obs(next_obs, infos):
-    """The observation each env reached: `next_obs`, except where an episode just ended: there
-    `next_obs` already starts the next episode and the true last one is in infos."""
-    if "final_obs" not in infos:
-        return next_obs
-    real = next_obs.copy()
-    for i in np.flatnonzero(infos["_final_obs"]):
-        real[i] = infos["final_obs"][i]
-    return real
 
 
 def crossings(step: int, n: int, every: int) -> int:
@@ -210,7 +197,9 @@ class ReplayBuffer:
 
     def sample(self, batch_size, device):
         idx = np.random.randint(0, self.size, size=batch_size)
-        return tuple(torch.as_tensor(x[idx], device=device) for x in (self.obs, self.actions, self.rewards, self.next_obs, self.dones))
+        return tuple(
+            torch.as_tensor(x[idx], device=device) for x in (self.obs, self.actions, self.rewards, self.next_obs, self.dones)
+        )
 
 
 def evaluate(actor, args, run_name, device):
@@ -229,310 +218,17 @@ def evaluate(actor, args, run_name, device):
     return float(np.mean(returns[: args.eval_episodes]))
 
 
-# ---------------------------------------------------------------- RUN
-# The same block in every LeanRL script: argument rules, the run's folder and metrics, signals,
-# checkpoints and the summary line. Nothing in it is specific to one algorithm.
-
-# One rule per flag, the same in every script that has the flag.
-COUNTS = ("num_seeds", "threads", "num_envs", "num_steps", "num_minibatches", "update_epochs", "batch_size", "buffer_size",
-          "train_frequency", "target_network_frequency", "policy_frequency")
-RULES = {
-    "seed": (lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)"),
-    **{k: (lambda v: v >= 0, "0 or more") for k in ("total_timesteps", "learning_starts", "eval_episodes")},
-    **{k: (lambda v: v >= 1, "1 or more") for k in COUNTS},
-    **{k: (lambda v: math.isfinite(v) and v > 0, "a finite number > 0") for k in ("learning_rate", "q_lr", "policy_lr", "max_grad_norm")},
-    **{k: (lambda v: 0 < v <= 1, "a number in (0, 1]") for k in ("gamma", "tau")},
-    **{k: (lambda v: 0 <= v <= 1, "a number in [0, 1]") for k in ("gae_lambda", "start_e", "end_e", "exploration_fraction")},
-    **{k: (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
-       for k in ("clip_coef", "ent_coef", "vf_coef", "alpha", "policy_noise", "noise_clip", "exploration_noise")},
-    "target_kl": (lambda v: v is None or (math.isfinite(v) and v > 0), "a finite number > 0"),
-}
-
-
-def fail(message):
-    """Bad input ends the run with one line on stderr and exit status 2, never a traceback."""
-    sys.stderr.write(f"error: {message}\n")  # one write: ranks sharing a stderr cannot split it
-    sys.exit(2)
-
-
-def check_args(args):
-    for name, value in vars(args).items():
-        if name in RULES and not RULES[name][0](value):
-            fail(f"--{name.replace('_', '-')} {value} is out of range: use {RULES[name][1]}")
-    if args.total_timesteps == 0 and not args.load_model:
-        fail("--total-timesteps 0 trains nothing: give a budget, or --load-model to evaluate a checkpoint")
-
-
-def check_memory(nbytes, device, what):
-    """One line, before any work, for a buffer that will not fit in the device's free memory."""
-    try:
-        if device.type == "cuda":
-            free = torch.cuda.mem_get_info(device)[0]
-        else:
-            free = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return
-    if nbytes > free:
-        fail(f"{what} needs {nbytes / 2**30:.1f} GiB and {device.type} has {free / 2**30:.1f} GiB free: make it smaller")
-
-
-def atomic_save(obj, path):
-    """Write then rename: a crash mid-save leaves the previous file whole, never a broken one."""
-    torch.save(obj, path + ".tmp")
-    os.replace(path + ".tmp", path)
-    return path
-
-
-def load_checkpoint(path, networks, env_id):
-    """Load a checkpoint of either script of the pair into `networks` (name -> module). Tensors
-    and plain types only (weights_only=True): a checkpoint cannot run code."""
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch.load raises many types for a file that is no checkpoint
-        fail(f"cannot load {path!r} ({type(e).__name__}): pass a file written by --save-model of {ALGORITHM}")
-    saved = checkpoint.get("algorithm") if isinstance(checkpoint, dict) else None
-    if saved != ALGORITHM:
-        fail(f"{path!r} is not a {ALGORITHM} checkpoint ({saved or 'unknown'}): pass one saved by {ALGORITHM}")
-    try:
-        for name, network in networks.items():
-            network.load_state_dict(checkpoint["model"][name])
-    except (KeyError, RuntimeError):
-        hint = f"pass --env-id {checkpoint['env_id']}" if checkpoint["env_id"] != env_id else "use the sizes it was trained with"
-        fail(f"{path!r} holds {ALGORITHM} networks for {checkpoint['env_id']} of other sizes: {hint}")
-
-
-class Run:
-    """Around the training loop: the folder runs/<run_name> (TensorBoard events when tensorboard
-    is installed, curve.csv, the checkpoint), wandb with --track, the progress bar, steps/s after
-    warm-up, SIGTERM handled as Ctrl-C, and the one-line JSON summary. Under torchrun only rank 0
-    writes, prints, tracks, saves and evaluates.
-
-    --num-seeds: one Run per seed, each with its own folder, checkpoint and wandb run (one group);
-    the first is the `lead` of the others: it alone handles SIGTERM, shows the bar and prints the
-    summary, all three for every seed, and finishes last."""
-
-    def __init__(self, args, total_steps, warmup_updates=3, rank=0, lead=None):
-        self.args, self.warmup_updates, self.main = args, warmup_updates, rank == 0
-        self.lead, self.seeds, self.eval_return = lead or self, [self], None
-        if lead:
-            lead.seeds.append(self)
-        self.time = lead.time if lead else int(time.time())
-        self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{self.time}"
-        self.dir = f"runs/{self.name}"
-        self.wandb = self.writer = self.last_good = self.stop_reason = self.warmup_s = self.last_sps = None
-        self.interrupted, self.returns, self.points = False, deque(maxlen=10), []
-        self.step = self.updates = self.warm_step = 0
-        self.total_steps, self.bar = total_steps, None
-        self.start = self.warm_time = time.perf_counter()
-        if not lead:
-            signal.signal(signal.SIGTERM, self.on_sigterm)
-            sys.excepthook = self.on_uncaught
-        if not self.main:
-            self.curve = open(os.devnull, "w")
-            return
-        if args.track:
-            try:
-                import wandb
-            except ImportError:
-                fail("--track needs wandb: pip install wandb (or the extra leanrl[track])")
-            self.wandb = wandb
-        try:
-            os.makedirs(self.dir, exist_ok=True)
-            self.curve = open(f"{self.dir}/curve.csv", "w")
-        except OSError as e:
-            fail(f"cannot write {self.dir} ({e.strerror}): run from a folder you can write to")
-        self.curve.write("step,seconds,episodic_return\n")
-        try:
-            from tensorboard.compat.proto.summary_pb2 import Summary
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer, self.summary = SummaryWriter(self.dir), Summary
-            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
-        except ImportError:
-            if not lead:
-                print("notice: tensorboard is not installed; metrics go to --track only (pip install tensorboard)", file=sys.stderr)
-        if self.wandb:
-            # Several runs live at once only with reinit="create_new" (wandb 0.19.10 or later).
-            seeds = {"group": self.lead.name, "reinit": "create_new"} if getattr(args, "num_seeds", 1) > 1 else {}
-            self.wandb = self.wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=self.name, save_code=True, **seeds)
-
-    def on_sigterm(self, signum, frame):
-        """Schedulers stop jobs with SIGTERM: end the run as Ctrl-C does, saving first."""
-        self.interrupted = signal.SIGTERM
-        raise KeyboardInterrupt
-
-    def on_uncaught(self, kind, value, traceback):
-        """Ctrl-C or SIGTERM outside the training loop (while envs and networks are made): the
-        summary and exit status of an interrupted run, not a traceback. One that lands inside an
-        import may come as the cause of another error: Python 3.11 wraps what a `__set_name__`
-        raises in a RuntimeError, and building a torch optimizer imports torch._dynamo, which
-        runs many."""
-        interrupt = value
-        while interrupt is not None and not isinstance(interrupt, KeyboardInterrupt):
-            interrupt = interrupt.__cause__
-        if interrupt is None:
-            return sys.__excepthook__(kind, value, traceback)
-        self.interrupted = self.interrupted or signal.SIGINT
-        try:
-            self.finish(self.step, self.updates, {}, None)
-        except SystemExit as e:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(e.code)
-
-    def scalars(self, step, values):
-        """One point of the charts at `step`, written at the next log point (`write`)."""
-        self.points.append((step, values))
-
-    def write(self):
-        """The points since the last log point, handed to TensorBoard and wandb at once.
-        TensorBoard's writer thread takes the GIL for each event it is handed: one at a time (a
-        finished episode every few steps in lean PQN) cost 8% of its steps/s, in one go 3%."""
-        # Ctrl-C and SIGTERM wait until the writers are done: a KeyboardInterrupt inside
-        # TensorBoard's writer can leave it so that close() hangs (tensorboard 2.21).
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        try:
-            for step, values in self.points:
-                if self.writer:
-                    # One event holds all the values: add_scalar writes one per value, and each
-                    # costs about 40 us on a CPU (10 metrics at every log point, 2 per episode).
-                    summary = self.summary(value=[self.summary.Value(tag=k, simple_value=float(v)) for k, v in values.items()])
-                    self.writer.file_writer.add_summary(summary, step)
-                if self.wandb:
-                    self.wandb.log(values, step=step)
-            self.points.clear()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-
-    def episodes(self, step, infos):
-        """CleanRL's charts, one point per finished episode."""
-        for _, r, n in self.finished(step, infos):
-            self.record(step, r, n)
-
-    @staticmethod
-    def finished(step, infos):
-        """The episodes that ended in `infos`, as (step, return, length), from gymnasium's episode
-        statistics (in infos["final_info"] under SAME_STEP autoreset)."""
-        info = infos.get("final_info", infos)
-        if "episode" not in info:
-            return []
-        done = info["_episode"]
-        return [(step, float(r), int(n)) for r, n in zip(info["episode"]["r"][done], info["episode"]["l"][done])]
-
-    def record(self, step, r, n):
-        self.returns.append(r)
-        self.scalars(step, {"charts/episodic_return": r, "charts/episodic_length": n})
-
-    def seed_returns(self):
-        """Each seed's mean return over its last 10 episodes (None before its first), in seed order."""
-        return [float(np.mean(run.returns)) if run.returns else None for run in self.seeds]
-
-    def sps(self):
-        if self.warmup_s is None or self.step <= self.warm_step:
-            return None
-        return (self.step - self.warm_step) / (time.perf_counter() - self.warm_time)
-
-    def log(self, step, updates, metrics, networks):
-        """A log point: steps/s (from the first log point with `warmup_updates` updates done, when
-        every compiled callable has run), bar, curve, metrics, and the weights as last good if
-        they are finite (with --save-model)."""
-        self.bar = self.bar or tqdm.tqdm(total=self.total_steps * len(self.seeds), file=sys.stderr, disable=not self.main or self.lead is not self)
-        self.bar.update((step - self.step) * len(self.seeds))
-        self.step, self.updates, now = step, updates, time.perf_counter()
-        if self.warmup_s is None and updates >= self.warmup_updates:
-            self.warmup_s, self.warm_step, self.warm_time = now - self.start, step, now
-        # The summary's steps/s is the last log point's: closing envs and saving are not training.
-        sps = self.last_sps = self.sps()
-        mean_return = np.mean(self.returns) if self.returns else float("nan")
-        means = [m for m in self.seed_returns() if m is not None]
-        self.bar.set_description(f"sps={(sps or float('nan')) * len(self.seeds):6.0f} return={np.mean(means) if means else float('nan'):8.2f}")
-        if self.returns:
-            self.curve.write(f"{step},{now - self.start:.3f},{mean_return:.3f}\n")
-        self.scalars(step, {**metrics, "charts/SPS": sps or 0.0})
-        self.write()
-        if self.args.save_model:
-            state = {name: {k: v.detach().clone() for k, v in net.state_dict().items()} for name, net in networks.items()}
-            if torch.stack([v.isfinite().all() for sd in state.values() for v in sd.values()]).all():
-                self.last_good = state
-
-    def finish(self, step, updates, networks, evaluate, **fields):
-        """Save, evaluate, close and print the summary. Exit 1 after a non-finite loss, 130 after
-        Ctrl-C, 143 after SIGTERM; a checkpoint is only ever saved from finite weights."""
-        self.step, self.updates = step, updates
-        end_sps, wall_s = self.last_sps, time.perf_counter() - self.start
-        # A second Ctrl-C or SIGTERM must not break the save or the summary (evaluation aside).
-        handlers = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if self.bar:
-            self.bar.close()
-        if self.interrupted and self.main and self.lead is self:
-            print(f"notice: interrupted at step {self.step}; saving what there is", file=sys.stderr)
-        checkpoint, state = None, self.last_good
-        if self.args.save_model and self.main and networks:
-            current = {name: net.state_dict() for name, net in networks.items()}
-            if self.stop_reason is None and all(v.isfinite().all() for sd in current.values() for v in sd.values()):
-                state = current
-            if state is None:
-                print("notice: the weights were never finite at a log point; no checkpoint saved", file=sys.stderr)
-            else:
-                # A copy: a seed's weights are a view of all seeds' storage, which torch.save writes whole.
-                model = {name: {k: v.detach().to("cpu", copy=True) for k, v in sd.items()} for name, sd in state.items()}
-                saved = {"algorithm": ALGORITHM, "env_id": self.args.env_id, "args": vars(self.args), "model": model}
-                checkpoint = atomic_save(saved, f"{self.dir}/{self.args.exp_name}.pt")
-                print(f"notice: model saved to {checkpoint}", file=sys.stderr)
-        eval_return = None
-        if self.args.eval_episodes > 0 and self.main and self.stop_reason is None and not (self.interrupted or self.lead.interrupted):
-            signal.signal(signal.SIGINT, handlers[0])
-            signal.signal(signal.SIGTERM, handlers[1])
-            try:
-                eval_return = evaluate()
-            except KeyboardInterrupt:
-                self.interrupted = self.interrupted or signal.SIGINT
-                self.lead.interrupted = self.lead.interrupted or self.interrupted
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        self.curve.close()
-        self.write()
-        if self.writer:
-            self.writer.close()
-        if self.wandb:
-            self.wandb.finish()
-        self.eval_return = eval_return
-        if self.lead is not self:
-            signal.signal(signal.SIGINT, handlers[0])
-            signal.signal(signal.SIGTERM, handlers[1])
-            return
-        returns, evals = self.seed_returns(), [run.eval_return for run in self.seeds]
-        found = [m for m in returns if m is not None]
-        per_seed = {"episodic_returns": [None if m is None else round(m, 3) for m in returns],
-                    "eval_returns": [None if m is None else round(m, 3) for m in evals]}
-        summary = {
-            "script": os.path.basename(__file__), "env_id": self.args.env_id, "seed": self.args.seed, "num_seeds": len(self.seeds),
-            "compile": getattr(self.args, "compile", False), "cudagraphs": False, **fields,
-            "total_steps": self.step, "updates": self.updates, "wall_s": wall_s, "sps": end_sps and end_sps * len(self.seeds),
-            "warmup_s": self.warmup_s, "episodic_return": np.mean(found) if found else None,
-            **(per_seed if len(self.seeds) > 1 else {}),
-            "eval_return": np.mean(evals) if None not in evals else None, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "interrupted": bool(self.interrupted), "checkpoint": checkpoint, "run_dir": self.dir,
-        }
-        # Strict JSON: non-finite numbers become null.
-        summary = {k: (round(float(v), 3) if math.isfinite(v) else None) if isinstance(v, (float, np.floating)) else v for k, v in summary.items()}
-        if self.main:
-            print(json.dumps(summary), flush=True)
-        if self.stop_reason:
-            print(f"error: {self.stop_reason}", file=sys.stderr)
-            sys.exit(1)
-        if self.interrupted:
-            sys.exit(143 if self.interrupted == signal.SIGTERM else 130)
-
-
 def main(args: Args):
     check_args(args)
     if args.batch_size > args.buffer_size:
         fail(f"--batch-size {args.batch_size} is larger than --buffer-size {args.buffer_size}: make the buffer hold a batch")
     if args.num_envs > args.buffer_size:
-        fail(f"--num-envs {args.num_envs} is larger than --buffer-size {args.buffer_size}: make the buffer hold one step of every env")
+        fail(
+            f"--num-envs {args.num_envs} is larger than --buffer-size {args.buffer_size}: "
+            "make the buffer hold one step of every env"
+        )
     num_iterations = args.total_timesteps // args.num_envs
-    run = Run(args, num_iterations * args.num_envs)
+    run = Run(args, num_iterations * args.num_envs, __file__)
 
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -552,7 +248,7 @@ def main(args: Args):
     qf2 = QNetwork(n_obs, n_act, device=device)
     networks = {"actor": actor, "qf1": qf1, "qf2": qf2}
     if args.load_model:
-        load_checkpoint(args.load_model, networks, args.env_id)
+        run.load(networks)
     qf1_target = QNetwork(n_obs, n_act, device=device)
     qf2_target = QNetwork(n_obs, n_act, device=device)
     target_actor = Actor(n_obs, n_act, low, high, device=device)
@@ -591,7 +287,8 @@ def main(args: Args):
             if global_step > args.learning_starts:
                 data_obs, data_actions, data_rewards, data_next_obs, data_dones = rb.sample(args.batch_size, device)
                 with torch.no_grad():
-                    clipped_noise = (torch.randn_like(data_actions) * args.policy_noise).clamp(-args.noise_clip, args.noise_clip) * target_actor.action_scale
+                    noise = (torch.randn_like(data_actions) * args.policy_noise).clamp(-args.noise_clip, args.noise_clip)
+                    clipped_noise = noise * target_actor.action_scale
                     next_state_actions = (target_actor(data_next_obs) + clipped_noise).clamp(action_low, action_high)
                     qf1_next_target = qf1_target(data_next_obs, next_state_actions)
                     qf2_next_target = qf2_target(data_next_obs, next_state_actions)
@@ -625,18 +322,23 @@ def main(args: Args):
                         target_param.data.copy_(args.tau * param.data + (1 - args.tau) * target_param.data)
 
             if crossings(global_step, args.num_envs, LOG_EVERY) or iteration == num_iterations - 1:
-                stats = {} if qf_loss is None else {
-                    "losses/qf1_values": qf1_a_values.mean().item(), "losses/qf2_values": qf2_a_values.mean().item(),
-                    "losses/qf1_loss": qf1_loss.item(), "losses/qf2_loss": qf2_loss.item(),
-                    "losses/qf_loss": qf_loss.item() / 2.0, "losses/actor_loss": actor_loss.item(),
-                }
+                stats = {}
+                if qf_loss is not None:
+                    stats = {
+                        "losses/qf1_values": qf1_a_values.mean().item(),
+                        "losses/qf2_values": qf2_a_values.mean().item(),
+                        "losses/qf1_loss": qf1_loss.item(),
+                        "losses/qf2_loss": qf2_loss.item(),
+                        "losses/qf_loss": qf_loss.item() / 2.0,
+                        "losses/actor_loss": actor_loss.item(),
+                    }
                 bad = [k for k in ("losses/qf_loss", "losses/actor_loss") if k in stats and not math.isfinite(stats[k])]
                 if bad:
-                    run.stop_reason = f"non-finite {bad[0][len('losses/'):]} {stats[bad[0]]} at step {global_step}"
+                    run.stop_reason = f"non-finite {bad[0][len('losses/') :]} {stats[bad[0]]} at step {global_step}"
                     break
                 run.log(global_step, updates, stats, networks)
     except KeyboardInterrupt:
-        run.interrupted = run.interrupted or signal.SIGINT
+        run.interrupt()
     envs.close()
     run.finish(global_step, updates, networks, lambda: evaluate(actor, args, run.name, device), device=device.type)
 

@@ -62,8 +62,11 @@ def run_without(module, script, *args, cwd):
     """Run a script as if `module` were not installed (its import fails)."""
     return subprocess.run(
         [*script_command(script, before=f"import sys; sys.modules[{module!r}] = None"), *map(str, args)],
-        cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"},
-        capture_output=True, text=True, timeout=600,
+        cwd=cwd,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"},
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
 
 
@@ -221,7 +224,9 @@ def recorded_runs(modules, args, monkeypatch):
                 return log(self, step, updates, metrics, networks)
 
             def recording_finish(self, step, updates, networks, *rest, final=final, **fields):
-                final.update({f"{name}.{k}": v.detach().clone() for name, net in networks.items() for k, v in net.state_dict().items()})
+                final.update(
+                    {f"{name}.{k}": v.detach().clone() for name, net in networks.items() for k, v in net.state_dict().items()}
+                )
                 return finish(self, step, updates, networks, *rest, **fields)
 
             # Run lives in leanrl_utils, shared by every script: patched anew for each module.
@@ -247,7 +252,9 @@ def assert_same_run(plain_run, lean_run, names, metrics_abs=1e-6, weights_rtol=1
                 assert q[name] == pytest.approx(p[name], rel=1e-5, abs=metrics_abs), (i, name)
     assert plain_final.keys() == lean_final.keys()
     for name in plain_final:
-        torch.testing.assert_close(lean_final[name], plain_final[name], rtol=weights_rtol, atol=weights_atol, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            lean_final[name], plain_final[name], rtol=weights_rtol, atol=weights_atol, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 @pytest.fixture
@@ -281,37 +288,100 @@ def is_lean(script):
 # seconds (compile aside), on a cheap env. Every script in leanrl/ must have an entry here.
 TINY = {
     "ppo_continuous_action": [
-        "--env-id", "InvertedPendulum-v5", "--total-timesteps", "256", "--num-steps", "64",
-        "--num-minibatches", "2", "--update-epochs", "2",
+        "--env-id",
+        "InvertedPendulum-v5",
+        "--total-timesteps",
+        "256",
+        "--num-steps",
+        "64",
+        "--num-minibatches",
+        "2",
+        "--update-epochs",
+        "2",
     ],
     # Learning starts after step 64; 236 updates; logs at steps 100, 200 and 300.
     "sac_continuous_action": [
-        "--env-id", "Pendulum-v1", "--total-timesteps", "300", "--learning-starts", "64",
-        "--batch-size", "32", "--buffer-size", "1000",
+        "--env-id",
+        "Pendulum-v1",
+        "--total-timesteps",
+        "300",
+        "--learning-starts",
+        "64",
+        "--batch-size",
+        "32",
+        "--buffer-size",
+        "1000",
     ],
     # Learning starts after step 32; 208 updates; logs at steps 100, 200 and 240.
     "td3_continuous_action": [
-        "--env-id", "Pendulum-v1", "--total-timesteps", "240", "--learning-starts", "32",
-        "--batch-size", "16", "--buffer-size", "1000",
+        "--env-id",
+        "Pendulum-v1",
+        "--total-timesteps",
+        "240",
+        "--learning-starts",
+        "32",
+        "--batch-size",
+        "16",
+        "--buffer-size",
+        "1000",
     ],
     # Learning starts at step 100; 75 updates (one per 4 steps); target copies every 50 steps;
     # logs at steps 100, 200, 300 and 400.
     "dqn": [
-        "--total-timesteps", "400", "--learning-starts", "100", "--batch-size", "32",
-        "--buffer-size", "500", "--train-frequency", "4", "--target-network-frequency", "50",
+        "--total-timesteps",
+        "400",
+        "--learning-starts",
+        "100",
+        "--batch-size",
+        "32",
+        "--buffer-size",
+        "500",
+        "--train-frequency",
+        "4",
+        "--target-network-frequency",
+        "50",
     ],
     # Atari: 2 envs, 16 steps, 2 iterations (4 minibatch updates each).
     "ppo_atari_envpool": [
-        "--env-id", "Breakout-v5", "--num-envs", "2", "--num-steps", "16", "--total-timesteps", "64",
-        "--num-minibatches", "2", "--update-epochs", "2",
+        "--env-id",
+        "Breakout-v5",
+        "--num-envs",
+        "2",
+        "--num-steps",
+        "16",
+        "--total-timesteps",
+        "64",
+        "--num-minibatches",
+        "2",
+        "--update-epochs",
+        "2",
     ],
     # 2 envs, 64 steps: 4 iterations of 4 minibatch updates, a log point after each.
     "pqn": [
-        "--total-timesteps", "512", "--num-envs", "2", "--num-steps", "64", "--num-minibatches", "2", "--update-epochs", "2",
+        "--total-timesteps",
+        "512",
+        "--num-envs",
+        "2",
+        "--num-steps",
+        "64",
+        "--num-minibatches",
+        "2",
+        "--update-epochs",
+        "2",
     ],
     # Atari: 2 envs, 16 steps, 2 iterations (4 minibatch updates each).
     "pqn_atari_envpool": [
-        "--env-id", "Breakout-v5", "--num-envs", "2", "--num-steps", "16", "--total-timesteps", "64",
-        "--num-minibatches", "2", "--update-epochs", "2",
+        "--env-id",
+        "Breakout-v5",
+        "--num-envs",
+        "2",
+        "--num-steps",
+        "16",
+        "--total-timesteps",
+        "64",
+        "--num-minibatches",
+        "2",
+        "--update-epochs",
+        "2",
     ],
 }

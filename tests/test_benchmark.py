@@ -40,7 +40,9 @@ def test_cudagraphs_modes_are_not_applicable_without_cuda():
     runs, skipped = bench.plan(["ppo_continuous_action"], [1, 2], "tiny", cuda=False)
     assert {mode for _, _, mode, _, _ in runs} == {"plain", "eager", "compile"}
     assert sorted(mode for *_, mode in skipped) == ["compile+cudagraphs", "cudagraphs"]
-    records = [{"family": "ppo_continuous_action", "mode": "plain", "script": "ppo_continuous_action.py", "seed": 1, "sps": 9.0}]
+    records = [
+        {"family": "ppo_continuous_action", "mode": "plain", "script": "ppo_continuous_action.py", "seed": 1, "sps": 9.0}
+    ]
     info = {"cpu": "x", "cores": 1, "gpu": None, "torch": "t", "python": "p", "command": "c", "profile": "tiny", "seeds": [1]}
     rows = [line for line in bench.summarize(records, skipped, {}, info).splitlines() if "n/a (needs CUDA)" in line]
     assert [row.split(" | ")[2] for row in rows] == ["cudagraphs", "compile+cudagraphs"]
@@ -67,9 +69,20 @@ def test_paired_ratio_is_taken_per_seed_then_the_median(tmp_path):
     lean = {1: 150.0, 2: 300.0, 3: 400.0}  # per seed 1.5, 3.0, 1.0; the ratio of medians is 3.0
     records = [{"family": "f", "mode": "plain", "script": "f.py", "seed": s, "sps": v} for s, v in plain.items()]
     # listed out of seed order: runs pair by seed, not by position
-    records += [{"family": "f", "mode": "compile", "script": "f_torchcompile.py", "seed": s, "sps": lean[s]} for s in (3, 1, 2)]
+    records += [
+        {"family": "f", "mode": "compile", "script": "f_torchcompile.py", "seed": s, "sps": lean[s]} for s in (3, 1, 2)
+    ]
     assert sorted(bench.paired_ratios(records[3:], records[:3])) == [1.0, 1.5, 3.0]
-    info = {"cpu": "x", "cores": 1, "gpu": None, "torch": "t", "python": "p", "command": "c", "profile": "quick", "seeds": [1, 2, 3]}
+    info = {
+        "cpu": "x",
+        "cores": 1,
+        "gpu": None,
+        "torch": "t",
+        "python": "p",
+        "command": "c",
+        "profile": "quick",
+        "seeds": [1, 2, 3],
+    }
     table = bench.summarize(records, [], {}, info)
     row = next(line for line in table.splitlines() if "| compile |" in line)
     cols = [c.strip() for c in row.strip("|").split("|")]
@@ -134,7 +147,9 @@ def test_env_ceiling_steps_the_env():
 def test_arithmetic_ceiling_replays_recorded_matmuls(tmp_path):
     bench, ceilings = load_bench(), load_ceilings()
     cfg = bench.config("dqn")
-    ceiling = ceilings.arithmetic_ceiling(bench.SCRIPTS / "dqn.py", cfg["arith"]["args"], cfg["arith"]["steps"], tmp_path, seconds=0.3)
+    ceiling = ceilings.arithmetic_ceiling(
+        bench.SCRIPTS / "dqn.py", cfg["arith"]["args"], cfg["arith"]["steps"], tmp_path, seconds=0.3
+    )
     assert ceiling["sps"] > 0 and math.isfinite(ceiling["gflops"])
     # DQN on CartPole (4 -> 120 -> 84 -> 2), an update of 128 rows every 10 steps: Q and target
     # forwards 2.75 MFLOP each, the Q backward 5.37 (weight gradients of 3 layers, input
@@ -144,6 +159,7 @@ def test_arithmetic_ceiling_replays_recorded_matmuls(tmp_path):
 
 def test_flop_counts_of_a_convolution_and_its_gradients():
     import torch
+
     ceilings = load_ceilings()
     x, w = torch.randn(2, 4, 8, 8), torch.randn(16, 4, 3, 3)
     out = torch.ops.aten.convolution.default(x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1)
@@ -158,7 +174,16 @@ def test_ceilings_appear_in_the_table_as_fractions_of_the_median():
     bench = load_bench()
     records = [{"family": "dqn", "mode": "plain", "script": "dqn.py", "seed": s, "sps": 50.0} for s in (1, 2)]
     ceilings = {"dqn": {"env": {"sps": 200.0}, "arith": {"sps": 100.0, "gflop_per_step": 0.001, "gflops": 30.0}}}
-    info = {"cpu": "x", "cores": 1, "gpu": None, "torch": "t", "python": "p", "command": "c", "profile": "quick", "seeds": [1, 2]}
+    info = {
+        "cpu": "x",
+        "cores": 1,
+        "gpu": None,
+        "torch": "t",
+        "python": "p",
+        "command": "c",
+        "profile": "quick",
+        "seeds": [1, 2],
+    }
     table = bench.summarize(records, [], ceilings, info)
     row = next(line for line in table.splitlines() if "| plain |" in line)
     assert [c.strip() for c in row.strip("|").split("|")][7:9] == ["25%", "50%"]
@@ -168,10 +193,27 @@ def test_ceilings_appear_in_the_table_as_fractions_of_the_median():
 def test_warm_up_is_split_into_the_cold_first_seed_and_the_warm_others():
     bench = load_bench()
     records = [
-        {"family": "dqn", "mode": "compile", "script": "dqn_torchcompile.py", "seed": s, "sps": 50.0, "warmup_s": w, "cold": s == 1}
+        {
+            "family": "dqn",
+            "mode": "compile",
+            "script": "dqn_torchcompile.py",
+            "seed": s,
+            "sps": 50.0,
+            "warmup_s": w,
+            "cold": s == 1,
+        }
         for s, w in ((1, 30.0), (2, 4.0), (3, 6.0), (4, 100.0))
     ]
-    info = {"cpu": "x", "cores": 1, "gpu": None, "torch": "t", "python": "p", "command": "c", "profile": "quick", "seeds": [1, 2, 3, 4]}
+    info = {
+        "cpu": "x",
+        "cores": 1,
+        "gpu": None,
+        "torch": "t",
+        "python": "p",
+        "command": "c",
+        "profile": "quick",
+        "seeds": [1, 2, 3, 4],
+    }
     row = next(line for line in bench.summarize(records, [], {}, info).splitlines() if "| compile |" in line)
     assert [c.strip() for c in row.strip("|").split("|")][9:11] == ["30.0", "6.0"]
 
@@ -179,10 +221,19 @@ def test_warm_up_is_split_into_the_cold_first_seed_and_the_warm_others():
 def test_each_cell_compiles_into_its_own_cache_and_only_its_first_seed_is_cold(tmp_path, monkeypatch):
     bench = load_bench()
     calls = []
-    monkeypatch.setattr(bench, "run_one", lambda script, argv, log, timeout, cache: calls.append(cache) or {"sps": 1.0, "seed": argv[-1]})
+    monkeypatch.setattr(
+        bench, "run_one", lambda script, argv, log, timeout, cache: calls.append(cache) or {"sps": 1.0, "seed": argv[-1]}
+    )
     runs, _ = bench.plan(["dqn"], [1, 2], "tiny", cuda=False)
     records = bench.run_all(runs, tmp_path, 10)
-    assert [(r["mode"], r["cold"]) for r in records] == [("plain", True), ("eager", True), ("compile", True), ("plain", False), ("eager", False), ("compile", False)]
+    assert [(r["mode"], r["cold"]) for r in records] == [
+        ("plain", True),
+        ("eager", True),
+        ("compile", True),
+        ("plain", False),
+        ("eager", False),
+        ("compile", False),
+    ]
     assert calls[:3] == calls[3:] and len(set(calls)) == 3
 
 
@@ -191,7 +242,11 @@ def test_scaling_reports_each_setting_over_the_first_per_seed(tmp_path, monkeypa
     for family, shared, settings in scaling.CASES.values():
         assert (scaling.bench.SCRIPTS / f"{family}_torchcompile.py").exists() and len(settings) >= 2
     speeds = {("1", 1): 100.0, ("8", 1): 300.0, ("1", 2): 200.0, ("8", 2): 500.0}
-    monkeypatch.setattr(scaling, "run", lambda script, launcher, argv, log, timeout: {"sps": speeds[(argv[argv.index("--num-seeds") + 1], int(argv[-1]))]})
+    monkeypatch.setattr(
+        scaling,
+        "run",
+        lambda script, launcher, argv, log, timeout: {"sps": speeds[(argv[argv.index("--num-seeds") + 1], int(argv[-1]))]},
+    )
     assert scaling.main(["--cases", "dqn --num-seeds", "--seeds", "1", "2", "--out", str(tmp_path)]) == 0
     row = next(line for line in (tmp_path / "table.md").read_text().splitlines() if "| 8 seeds |" in line)
     assert [c.strip() for c in row.strip("|").split("|")][2:] == ["400", "2.75x", "2.50-3.00"]

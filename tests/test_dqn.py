@@ -1,16 +1,29 @@
 """DQN pair: the epsilon schedule and how the loops follow it, the replay buffer and the
-autoreset handling, the policy, the update (lean against plain math, compiled against eager),
-bad input, and learning on CartPole."""
+autoreset handling, the policy and every form of the network derived from the module (also once
+the module is changed), the update for one seed and stacked seeds (lean against plain math,
+compiled against eager), bad input, and learning on CartPole."""
 
 import copy
 
 import numpy as np
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
-from tensordict import from_module
+from conftest import (
+    NumpyDrawingAsLean,
+    assert_one_line_error,
+    assert_same_run,
+    load_script,
+    main_in_process,
+    recorded_runs,
+    run_script,
+    scripts,
+    short_env,
+)
+from torch.func import functional_call
 
-from conftest import NumpyDrawingAsLean, assert_one_line_error, assert_same_run, load_script, recorded_runs, run_script, scripts, short_env
+import leanrl_utils
 
 PLAIN_PATH, LEAN_PATH = scripts("dqn.py")[0], scripts("dqn_torchcompile.py")[0]
 BOTH = [PLAIN_PATH, LEAN_PATH]
@@ -62,7 +75,9 @@ def test_lean_draws_use_the_scheduled_epsilon_from_step_zero(lean, monkeypatch, 
         return draw_exploration(epsilons, *rest)
 
     monkeypatch.setattr(lean, "draw_exploration", recording_draw)
-    run_in_process(lean, monkeypatch, tmp_path, total_timesteps=600, learning_starts=10_000, exploration_fraction=0.5, num_envs=2)
+    run_in_process(
+        lean, monkeypatch, tmp_path, total_timesteps=600, learning_starts=10_000, exploration_fraction=0.5, num_envs=2
+    )
     expected = [lean.linear_schedule(1.0, 0.05, 300, t) for t in range(0, 600, 2)]
     assert seen[0] == 1.0
     assert seen[: len(expected)] == pytest.approx(expected, abs=1e-12)
@@ -99,8 +114,8 @@ def test_stored_transitions_follow_the_episodes(path, plain, lean, monkeypatch, 
     add = module.ReplayBuffer.add
 
     def recording_add(self, *args, **rows):
-        # The plain buffer takes the fields by position, the lean one by name.
-        fields = (args[0], args[1], args[4]) if args else (rows["obs"], rows["next_obs"], rows["dones"])
+        # The plain buffer takes the fields by position, the lean one by name, in one column per seed.
+        fields = (args[0], args[1], args[4]) if args else (rows["obs"][:, 0], rows["next_obs"][:, 0], rows["dones"][:, 0])
         records.append([np.array(x, copy=True) for x in fields])
         return add(self, *args, **rows)
 
@@ -108,7 +123,15 @@ def test_stored_transitions_follow_the_episodes(path, plain, lean, monkeypatch, 
     num_envs = 2
     # Random play (epsilon 1) lasts about 22 steps: some episodes fall, others reach the limit.
     run_in_process(
-        module, monkeypatch, tmp_path, env_id=SHORT_ID, total_timesteps=600, num_envs=num_envs, learning_starts=10_000, start_e=1.0, end_e=1.0
+        module,
+        monkeypatch,
+        tmp_path,
+        env_id=SHORT_ID,
+        total_timesteps=600,
+        num_envs=num_envs,
+        learning_starts=10_000,
+        start_e=1.0,
+        end_e=1.0,
     )
 
     obs, next_obs, dones = (np.stack(x).astype(np.float64) for x in zip(*records))
@@ -135,21 +158,21 @@ def test_stored_transitions_follow_the_episodes(path, plain, lean, monkeypatch, 
     assert terminations > 0 and truncations > 0, (terminations, truncations)
 
 
-def fields(lean, n_obs):
-    """The lean buffer's fields, as main declares them."""
-    return {"obs": ((n_obs,), torch.float32), "next_obs": ((n_obs,), torch.float32), "actions": ((), torch.int64),
-            "rewards": ((), torch.float32), "dones": ((), torch.float32)}
+def fields(n_obs, num_seeds=1):
+    """The lean buffer's fields, as main declares them: a row holds one transition of each seed."""
+    vector, scalar = ((num_seeds, n_obs), torch.float32), ((num_seeds,), torch.float32)
+    return {"obs": vector, "next_obs": vector, "actions": ((num_seeds,), torch.int64), "rewards": scalar, "dones": scalar}
 
 
 @pytest.mark.parametrize("num_envs", [1, 3])
 def test_lean_buffer_holds_what_the_plain_buffer_holds(plain, lean, num_envs):
     """After wrapping around several times, with steps staged on the host and copied in blocks,
-    the lean device storage holds the same transitions at the same places as the plain numpy
-    buffer, and both sample only filled rows."""
+    the lean device storage (one seed's column) holds the same transitions at the same places as
+    the plain numpy buffer, and both sample only filled rows."""
     buffer_size, n_obs, steps = 50, 3, 90
     rng = np.random.default_rng(0)
     plain_rb = plain.ReplayBuffer(buffer_size, n_obs)
-    lean_rb = lean.ReplayBuffer(buffer_size, fields(lean, n_obs), stage_rows=4 * num_envs, device="cpu")
+    lean_rb = lean.ReplayBuffer(buffer_size, fields(n_obs), stage_rows=4 * num_envs, device="cpu")
     for step in range(steps):
         obs = rng.normal(size=(num_envs, n_obs)).astype(np.float32)
         next_obs = rng.normal(size=(num_envs, n_obs)).astype(np.float32)
@@ -157,13 +180,15 @@ def test_lean_buffer_holds_what_the_plain_buffer_holds(plain, lean, num_envs):
         rewards = rng.normal(size=num_envs)
         dones = rng.random(num_envs) < 0.2
         plain_rb.add(obs, next_obs, actions, rewards, dones)
-        lean_rb.add(obs=obs, next_obs=next_obs, actions=actions, rewards=rewards, dones=dones)
+        # As main's rows() hands them over: env i of every seed (here one) in row i.
+        rows = {"obs": obs, "next_obs": next_obs, "actions": actions, "rewards": rewards, "dones": dones}
+        lean_rb.add(**{key: value[:, None] for key, value in rows.items()})
         if step == 5:
             assert lean_rb.size + lean_rb.pending == plain_rb.size == 6 * num_envs
     lean_rb.flush()
     assert lean_rb.size == plain_rb.size == buffer_size
     assert lean_rb.pos == plain_rb.pos == steps * num_envs % buffer_size
-    storage = lean_rb.storage
+    storage = {key: value[:, 0] for key, value in lean_rb.storage.items()}
     np.testing.assert_array_equal(storage["obs"].numpy(), plain_rb.obs)
     np.testing.assert_array_equal(storage["next_obs"].numpy(), plain_rb.next_obs)
     np.testing.assert_array_equal(storage["actions"].numpy(), plain_rb.actions[:, 0])
@@ -181,25 +206,41 @@ def test_plain_buffer_samples_only_filled_rows(plain):
 
 # ---------------------------------------------------------------- policy
 
+SEEDS = pytest.mark.parametrize("num_seeds", [1, 2], ids=["1seed", "2seeds"])
+HOST = pytest.mark.parametrize("host", [True, False], ids=["numpy", "torch"])
 
-@pytest.mark.parametrize("host", [True, False], ids=["numpy", "torch"])
-def test_lean_policy_is_greedy_and_draws_explore_below_epsilon(lean, host):
-    """The policy applies the Q-network's layers itself (for speed), in numpy on a CPU and in
-    torch elsewhere (behind `host_arrays`, as the loop calls it): its actions are the argmax of
-    the module's forward, also after an in-place step of the parameters (the numpy one reads
-    views of them). Draws at epsilon 0 never explore, at 1 always do, with uniform actions."""
+
+def loop_policy(lean, q_network, params, num_seeds, host):
+    """make_policy as the loop calls it: host observations in, host actions out (the torch form
+    behind `host_arrays`, as on a device)."""
+    policy = lean.make_policy(q_network, dict(params.items()), num_seeds, host)
+    return policy if host else leanrl_utils.host_arrays(policy, torch.device("cpu"))
+
+
+def module_actions(nets, obs):
+    """The greedy actions of each seed's module on its block of `obs` (seed k's envs in block k)."""
+    with torch.no_grad():
+        return torch.cat([net(block).argmax(dim=1) for net, block in zip(nets, obs.view(len(nets), -1, obs.shape[-1]))])
+
+
+@SEEDS
+@HOST
+def test_lean_policy_is_greedy_and_draws_explore_below_epsilon(lean, host, num_seeds):
+    """The policy is derived from the Q-network module, in numpy on a CPU and in torch elsewhere
+    (behind `host_arrays`, as the loop calls it), for one seed (a stack of one) and stacked seeds:
+    block k of its actions is the argmax of seed k's module forward, also after an in-place step
+    of the stacked parameters (as Adam's; the numpy form reads views of them). Draws at epsilon 0
+    never explore, at 1 always do, with uniform actions."""
     torch.manual_seed(0)
     n_act = 3
-    q_network = lean.QNetwork(4, n_act)
-    params = {name: p.detach().unsqueeze(0) for name, p in q_network.named_parameters()}
-    policy = lean.make_policy(params, 1, host)
-    if not host:
-        policy = lean.host_arrays(policy, torch.device("cpu"))
-    obs = torch.randn(4096, 4)
+    nets = [lean.QNetwork(4, n_act) for _ in range(num_seeds)]
+    params = leanrl_utils.stack_seeds(nets)
+    policy = loop_policy(lean, nets[0], params, num_seeds, host)
+    obs = torch.randn(num_seeds * 4096, 4)
     with torch.no_grad():
         for _ in range(2):
-            torch.testing.assert_close(torch.from_numpy(policy(obs.numpy())), q_network(obs).argmax(dim=1), rtol=0, atol=0)
-            for p in q_network.parameters():
+            torch.testing.assert_close(torch.from_numpy(policy(obs.numpy())), module_actions(nets, obs), rtol=0, atol=0)
+            for p in params.values():
                 p.add_(torch.randn_like(p))  # as Adam steps: in place
     explore, random_actions = lean.draw_exploration([0.0, 1.0, 0.5], 4096, n_act, "cpu")
     assert explore.shape == random_actions.shape == (3, 4096)
@@ -210,67 +251,189 @@ def test_lean_policy_is_greedy_and_draws_explore_below_epsilon(lean, host):
     torch.testing.assert_close(counts, torch.full((n_act,), 1 / n_act), rtol=0, atol=0.04)
 
 
+class ChangedQNetwork(nn.Module):
+    """A researcher's edit of QNetwork: other widths, Tanh, LayerNorm, SiLU and an extra layer."""
+
+    def __init__(self, n_obs, n_act, device=None, activation=nn.Tanh):
+        super().__init__()
+        self.network = nn.Sequential(
+            nn.Linear(n_obs, 64, device=device),
+            activation(),
+            nn.Linear(64, 32, device=device),
+            nn.LayerNorm(32, device=device),
+            nn.ReLU(),
+            nn.Linear(32, 16, device=device),
+            nn.SiLU(),
+            nn.Linear(16, n_act, device=device),
+        )
+
+    def forward(self, x):
+        return self.network(x)
+
+
+@SEEDS
+def test_changed_network_is_followed_by_every_derived_form(lean, num_seeds):
+    """The network written once: with QNetwork changed, the numpy and torch policies and the
+    update's stacked forward all compute what the changed module computes. The torch form of one
+    seed runs the module's own ops (bit for bit); numpy and vmapped seeds within float32 rounding."""
+    torch.manual_seed(0)
+    nets = [ChangedQNetwork(6, 3) for _ in range(num_seeds)]
+    params = leanrl_utils.stack_seeds(nets)
+    obs = torch.randn(num_seeds * 512, 6)
+    for host in (True, False):
+        actions = loop_policy(lean, nets[0], params, num_seeds, host)(obs.numpy())
+        torch.testing.assert_close(torch.from_numpy(actions), module_actions(nets, obs), rtol=0, atol=0, msg=f"host {host}")
+    blocks = obs.view(num_seeds, -1, 6)
+    with torch.no_grad():
+        expected = torch.stack([net(block) for net, block in zip(nets, blocks)])
+        q_values = leanrl_utils.seeds_forward(nets[0])(dict(params.items()), blocks)
+        host_q_values = leanrl_utils.numpy_forward(nets[0], dict(params.items()))(blocks.numpy().copy())
+    exact = dict(rtol=0, atol=0) if num_seeds == 1 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(q_values, expected, **exact)
+    torch.testing.assert_close(torch.from_numpy(host_q_values), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_changed_network_acts_as_the_module_in_a_whole_run(lean, monkeypatch, tmp_path):
+    """The script run with a changed QNetwork and 2 seeds: every call of its (numpy) policy, also
+    after Adam steps, picks each seed's argmax of the changed module's forward with that seed's
+    current weights."""
+    make_policy, calls = lean.make_policy, []
+
+    def checked_make_policy(q_network, params, num_seeds, host):
+        policy = make_policy(q_network, params, num_seeds, host)
+
+        def checked(obs):
+            actions = policy(obs)
+            blocks = torch.from_numpy(obs).view(num_seeds, -1, obs.shape[-1])
+            with torch.no_grad():
+                seed_q = [
+                    functional_call(q_network, {n: p[k] for n, p in params.items()}, (blocks[k],)) for k in range(num_seeds)
+                ]
+            np.testing.assert_array_equal(actions, torch.cat(seed_q).argmax(dim=1).numpy())
+            calls.append(float(params["network.0.weight"].sum()))  # changes with every Adam step
+            return actions
+
+        return checked
+
+    monkeypatch.setattr(lean, "QNetwork", ChangedQNetwork)
+    monkeypatch.setattr(lean, "make_policy", checked_make_policy)
+    # Mostly greedy from step 40, and a learning rate at which the greedy actions change.
+    argv = ["--num-seeds", 2, "--exploration-fraction", 0.1, "--learning-rate", 0.01]
+    assert main_in_process(lean, *argv, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
+    assert len(calls) > 100 and len(set(calls)) > 10, (len(calls), len(set(calls)))  # acted greedily while learning
+
+
+def test_layer_without_a_numpy_form_is_one_line(lean, capsys):
+    """A layer numpy acting has no form for (GELU): building the numpy policy exits with status 2
+    and one `error:` line naming the layer, never a silent mismatch; the torch form follows the
+    module as ever."""
+    torch.manual_seed(0)
+    nets = [ChangedQNetwork(6, 3, activation=nn.GELU) for _ in range(2)]
+    params = leanrl_utils.stack_seeds(nets)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        lean.make_policy(nets[0], dict(params.items()), 2, host=True)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and err.count("\n") == 1, err
+    assert "network.1" in err and "GELU" in err, err
+    obs = torch.randn(2 * 64, 6)
+    actions = loop_policy(lean, nets[0], params, 2, host=False)(obs.numpy())
+    torch.testing.assert_close(torch.from_numpy(actions), module_actions(nets, obs), rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------- update numerics
 
 
-def update_case(lean, batch_size=32, buffer_size=500):
-    """A Q-network, its target and a filled replay storage, the sizes of the tiny smoke runs."""
+def update_case(lean, num_seeds, batch_size=32, buffer_size=500):
+    """Q-networks, their targets and a filled replay storage ([buffer_size, seeds, ...]), the sizes
+    of the tiny smoke runs; batches of num_seeds blocks of batch_size rows."""
     torch.manual_seed(0)
     args = lean.Args(batch_size=batch_size, buffer_size=buffer_size)
-    q_network, target_network = lean.QNetwork(4, 2), lean.QNetwork(4, 2)
-    storage = lean.ReplayBuffer(buffer_size, fields(lean, 4), 10, "cpu").storage
+    nets = [lean.QNetwork(4, 2) for _ in range(num_seeds)]
+    targets = [lean.QNetwork(4, 2) for _ in range(num_seeds)]
+    storage = lean.ReplayBuffer(buffer_size, fields(4, num_seeds), 10, "cpu").storage
     storage["obs"].normal_()
     storage["next_obs"].normal_()
     storage["actions"].random_(0, 2)
     storage["rewards"].fill_(1.0)
     storage["dones"].bernoulli_(0.1)
     generator = torch.Generator().manual_seed(1)
-    batches = [torch.randint(buffer_size, (batch_size,), generator=generator) for _ in range(5)]
-    return args, q_network, target_network, storage, batches
+    batches = [torch.randint(buffer_size, (num_seeds * batch_size,), generator=generator) for _ in range(5)]
+    return args, nets, targets, storage, batches
 
 
-def test_lean_update_is_the_plain_update(lean):
+def lean_update(lean, nets, targets, storage, gamma, learning_rate):
+    """main's set-up over copies of `nets` and `targets`: stacked parameters (one seed is a stack
+    of one), one functional Adam, the update."""
+    nets, targets = copy.deepcopy(nets), copy.deepcopy(targets)
+    params, target_params = leanrl_utils.stack_seeds(nets), leanrl_utils.stack_seeds(targets)
+    optimizer = leanrl_utils.Adam(params.items(), learning_rate)
+    update = lean.make_update(nets[0], dict(target_params.items()), optimizer, storage, gamma, len(nets))
+    return nets, params, target_params, update
+
+
+# One seed computes with the module's own ops, bit for bit; stacked seeds' batched matmuls sum in
+# another order (differences seen: 3e-7 in the metrics, 9e-8 in the parameters).
+EXACT = {1: dict(rtol=0, atol=0), 2: dict(rtol=1e-5, atol=1e-6)}
+
+
+@SEEDS
+def test_lean_update_is_the_plain_update(lean, num_seeds):
     """The lean update (torch.func gradient, functional Adam) against the plain script's update
-    (loss.backward, optim.Adam), written out as in dqn.py: the same numbers, bit for bit."""
-    args, q_network, target_network, storage, batches = update_case(lean)
-    q_ref, target_ref = copy.deepcopy(q_network), copy.deepcopy(target_network)
-    update = lean.make_update(q_network, target_network, lean.Adam(q_network.named_parameters(), args.learning_rate), storage, args.gamma)
-    optimizer = torch.optim.Adam(q_ref.parameters(), lr=args.learning_rate)
+    (loss.backward, optim.Adam), written out as in dqn.py for each seed on its own column of the
+    storage and its own block of the batch: the same numbers, bit for bit for one seed."""
+    args, nets, targets, storage, batches = update_case(lean, num_seeds)
+    seed_nets, _, _, update = lean_update(lean, nets, targets, storage, args.gamma, args.learning_rate)
+    refs = [(copy.deepcopy(net), copy.deepcopy(target)) for net, target in zip(nets, targets)]
+    optimizers = [torch.optim.Adam(q_ref.parameters(), lr=args.learning_rate) for q_ref, _ in refs]
     for idx in batches:
-        loss_lean, q_mean_lean = update(idx)
-        obs, actions, next_obs = storage["obs"][idx], storage["actions"][idx].unsqueeze(1), storage["next_obs"][idx]
-        with torch.no_grad():
-            target_max, _ = target_ref(next_obs).max(dim=1)
-            td_target = storage["rewards"][idx] + args.gamma * target_max * (1 - storage["dones"][idx])
-        old_val = q_ref(obs).gather(1, actions).squeeze(1)
-        loss = F.mse_loss(td_target, old_val)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        torch.testing.assert_close(loss_lean, loss.detach(), rtol=0, atol=0)
-        torch.testing.assert_close(q_mean_lean, old_val.mean().detach(), rtol=0, atol=0)
-        for name, value in q_ref.state_dict().items():
-            torch.testing.assert_close(q_network.state_dict()[name], value, rtol=0, atol=0, msg=name)
+        metrics = update(idx)
+        assert metrics.shape == (len(lean.METRICS), num_seeds)
+        for k, ((q_ref, target_ref), optimizer) in enumerate(zip(refs, optimizers)):
+            rows = idx.view(num_seeds, -1)[k]
+            obs, actions, next_obs = (
+                storage["obs"][rows, k],
+                storage["actions"][rows, k].unsqueeze(1),
+                storage["next_obs"][rows, k],
+            )
+            with torch.no_grad():
+                target_max, _ = target_ref(next_obs).max(dim=1)
+                td_target = storage["rewards"][rows, k] + args.gamma * target_max * (1 - storage["dones"][rows, k])
+            old_val = q_ref(obs).gather(1, actions).squeeze(1)
+            loss = F.mse_loss(td_target, old_val)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            torch.testing.assert_close(metrics[0, k], loss.detach(), **EXACT[num_seeds])
+            torch.testing.assert_close(metrics[1, k], old_val.mean().detach(), **EXACT[num_seeds])
+            for name, value in q_ref.state_dict().items():
+                torch.testing.assert_close(seed_nets[k].state_dict()[name], value, **EXACT[num_seeds], msg=f"seed {k} {name}")
 
 
-def test_compiled_update_matches_eager(lean):
+@SEEDS
+def test_compiled_update_matches_eager(lean, num_seeds):
     """Compiled (as the script compiles it on a CPU) against eager, from the same parameters, on
     the same 5 batches. Tolerance: float32, and the compiled graph fuses and reorders the
     reductions; differences seen were at most 1e-6 in the loss and 1e-7 in the parameters."""
-    args, q_network, target_network, storage, batches = update_case(lean)
-    q_compiled, target_compiled = copy.deepcopy(q_network), copy.deepcopy(target_network)
-    eager = lean.make_update(q_network, target_network, lean.Adam(q_network.named_parameters(), args.learning_rate), storage, args.gamma)
-    compiled_update = lean.make_update(q_compiled, target_compiled, lean.Adam(q_compiled.named_parameters(), args.learning_rate), storage, args.gamma)
-    compiled = torch.compile(compiled_update, options={"guard_filter_fn": lean.value_guards, "cpp_wrapper": True})
+    args, nets, targets, storage, batches = update_case(lean, num_seeds)
+    eager_nets, eager_params, eager_targets, eager = lean_update(lean, nets, targets, storage, args.gamma, args.learning_rate)
+    compiled_nets, compiled_params, compiled_targets, compiled = lean_update(
+        lean, nets, targets, storage, args.gamma, args.learning_rate
+    )
+    compiled = torch.compile(compiled, options={"guard_filter_fn": leanrl_utils.value_guards, "cpp_wrapper": True})
     for k, idx in enumerate(batches):
         if k == 3:
             # A target update between two steps, done in place as the loop does it: the compiled
             # graph must read the target's current weights, not values captured at compile time.
-            for q, target in ((q_network, target_network), (q_compiled, target_compiled)):
-                from_module(target).data.copy_(from_module(q).data)
+            eager_targets.lerp_(eager_params, 1.0)
+            compiled_targets.lerp_(compiled_params, 1.0)
         torch.testing.assert_close(compiled(idx), eager(idx), rtol=1e-5, atol=1e-5)
-        for name, value in q_network.state_dict().items():
-            torch.testing.assert_close(q_compiled.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
+        for seed, (compiled_net, eager_net) in enumerate(zip(compiled_nets, eager_nets)):
+            for name, value in eager_net.state_dict().items():
+                torch.testing.assert_close(
+                    compiled_net.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=f"seed {seed} {name}"
+                )
 
 
 def test_update_compiled_again_with_another_gamma_compiles_anew(lean):
@@ -278,12 +441,11 @@ def test_update_compiled_again_with_another_gamma_compiles_anew(lean):
     update made again in the same process with another discount (a float the graph holds as a
     constant) must get its own graph, not reuse the first: each compiled update against its eager
     twin. torch.compiler.keep_tensor_guards_unsafe fails this (both ran with gamma 0.99)."""
-    args, q_network, target_network, storage, batches = update_case(lean)
+    args, nets, targets, storage, batches = update_case(lean, 1)
     for gamma in (0.99, 0.5):
-        q_eager, target_eager, q_compiled, target_compiled = (copy.deepcopy(net) for net in (q_network, target_network) * 2)
-        eager = lean.make_update(q_eager, target_eager, lean.Adam(q_eager.named_parameters(), args.learning_rate), storage, gamma)
-        compiled = lean.make_update(q_compiled, target_compiled, lean.Adam(q_compiled.named_parameters(), args.learning_rate), storage, gamma)
-        compiled = torch.compile(compiled, options={"guard_filter_fn": lean.value_guards, "cpp_wrapper": True})
+        *_, eager = lean_update(lean, nets, targets, storage, gamma, args.learning_rate)
+        *_, compiled = lean_update(lean, nets, targets, storage, gamma, args.learning_rate)
+        compiled = torch.compile(compiled, options={"guard_filter_fn": leanrl_utils.value_guards, "cpp_wrapper": True})
         torch.testing.assert_close(compiled(batches[0]), eager(batches[0]), rtol=1e-5, atol=1e-5, msg=f"gamma {gamma}")
 
 

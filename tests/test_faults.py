@@ -1,6 +1,6 @@
 """Nothing lost, nothing silent (every script, from a glob): bad input ends in one `error:` line
 and exit status 2 before any training; SIGINT and SIGTERM save a finite checkpoint and print the
-summary; checkpoints load as tensors only; the RUN block is the same in every script."""
+summary; checkpoints load as tensors only; the plumbing lives once, in leanrl_utils."""
 
 import contextlib
 import json
@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 import tyro
-
 from conftest import TINY, family, is_lean, load_script, main_in_process, run_script, script_command, scripts
+
+import leanrl_utils
 
 ALL = scripts("*.py")
 PLAIN = [s for s in ALL if not is_lean(s)]
@@ -63,7 +64,9 @@ def assert_refused_before_work(code, capsys, tmp_path, *words, started=False):
 
 @pytest.mark.parametrize("script,flag,value", CASES, ids=lambda x: getattr(x, "stem", x))
 def test_bad_flag_is_one_line_before_any_work(script, flag, value, tmp_path, monkeypatch, capsys):
-    code = main_in_process(load_script(script), f"--{flag.replace('_', '-')}", value, tmp_path=tmp_path, monkeypatch=monkeypatch)
+    code = main_in_process(
+        load_script(script), f"--{flag.replace('_', '-')}", value, tmp_path=tmp_path, monkeypatch=monkeypatch
+    )
     assert_refused_before_work(code, capsys, tmp_path, f"--{flag.replace('_', '-')}")
 
 
@@ -113,9 +116,10 @@ def bad_checkpoints(tmp_path, algorithm):
 
 @pytest.mark.parametrize("script", ALL, ids=lambda s: s.stem)
 def test_a_file_that_is_not_this_pairs_checkpoint_is_one_line(script, tmp_path, monkeypatch, capsys):
-    module = load_script(script)
-    for name, words in bad_checkpoints(tmp_path, module.ALGORITHM).items():
-        code = main_in_process(load_script(script), "--load-model", tmp_path / name, tmp_path=tmp_path, monkeypatch=monkeypatch)
+    for name, words in bad_checkpoints(tmp_path, leanrl_utils.algorithm_of(script)).items():
+        code = main_in_process(
+            load_script(script), "--load-model", tmp_path / name, tmp_path=tmp_path, monkeypatch=monkeypatch
+        )
         assert_refused_before_work(code, capsys, tmp_path, *words, started=True)
     assert not (tmp_path / "pwned").exists()
 
@@ -129,8 +133,13 @@ def test_only_finite_weights_are_saved(script, tmp_path, monkeypatch, capsys):
     module = load_script(script)
     args = tyro.cli(module.Args, args=[*TINY[family(script)], "--save-model"])
     net = torch.nn.Linear(2, 2)
-    for last_good, stop_reason, expected in [(None, None, "saved"), ("finite", None, "saved"), (None, None, None), ("finite", "boom", "last")]:
-        run = module.Run(args, 0)
+    for last_good, stop_reason, expected in [
+        (None, None, "saved"),
+        ("finite", None, "saved"),
+        (None, None, None),
+        ("finite", "boom", "last"),
+    ]:
+        run = leanrl_utils.Run(args, 0, script)
         if expected is None or stop_reason:
             with torch.no_grad():
                 net.weight.fill_(float("nan"))
@@ -161,9 +170,12 @@ def start_long_run(script, workdir, *extra, before=None):
     # A shell without job control starts background jobs with SIGINT ignored: give the script the
     # default disposition, as in a terminal.
     return subprocess.Popen(
-        [*command, *argv], cwd=workdir,
+        [*command, *argv],
+        cwd=workdir,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
@@ -215,7 +227,17 @@ sys.setprofile(profile)
 def test_signal_during_evaluation_still_prints_the_summary(script, signum, workdir):
     summary, _ = run_script(script, *TINY[family(script)], "--save-model", cwd=workdir)
     before = SIGNAL_IN_EVALUATION.format(signum=int(signum))
-    proc = start_long_run(script, workdir, "--total-timesteps", 0, "--load-model", summary["checkpoint"], "--eval-episodes", 100_000, before=before)
+    proc = start_long_run(
+        script,
+        workdir,
+        "--total-timesteps",
+        0,
+        "--load-model",
+        summary["checkpoint"],
+        "--eval-episodes",
+        100_000,
+        before=before,
+    )
     summary = stop_and_read(proc, signum, "", send=False)
     assert summary["interrupted"] is True and summary["eval_return"] is None
 
@@ -236,27 +258,18 @@ def test_interrupt_inside_an_import_is_an_interrupt(script, workdir):
     assert summary["interrupted"] is True and summary["total_steps"] == 0 and summary["checkpoint"] is None
 
 
-def run_block(path):
-    text = Path(path).read_text()
-    return text[text.index("# " + "-" * 64 + " RUN") : text.index("\n\ndef main(")]
+def test_no_script_writes_the_plumbing_again():
+    """What leanrl_utils holds (Run, the argument rules, checkpoints, optimizers, seed stacking,
+    env wrappers, torchrun helpers) is imported by the scripts, never defined in one of them."""
+    import ast
 
-
-def test_every_script_has_the_same_run_block():
-    blocks = {s.name: run_block(s) for s in ALL}
-    reference = blocks[ALL[0].name]
-    assert [name for name, block in blocks.items() if block != reference] == []
-
-
-def helper_source(path, name):
-    import inspect
-
-    return inspect.getsource(getattr(load_script(path), name))
-
-
-@pytest.mark.parametrize("helper", ["Adam", "ReplayBuffer"])
-def test_lean_helpers_are_one_helper(helper):
-    """A helper that several lean scripts need has one body in all of them."""
-    having = [s for s in ALL if is_lean(s) and hasattr(load_script(s), helper)]
-    assert len(having) >= 2, having
-    bodies = {helper_source(s, helper) for s in having}
-    assert len(bodies) == 1, [s.name for s in having]
+    shared = {name for name, value in vars(leanrl_utils).items() if getattr(value, "__module__", None) == "leanrl_utils"}
+    shared |= {"RULES", "COUNTS", "VALUE_GUARDS"}
+    assert {"Run", "fail", "check_args", "load_checkpoint", "Adam", "RAdam", "stack_seeds", "SameStepEnvs"} <= shared
+    for script in ALL:
+        tree = ast.parse(script.read_text())
+        defined = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+        defined |= {
+            t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)
+        }
+        assert defined & shared == set(), (script.name, defined & shared)

@@ -5,7 +5,6 @@ end (runs, table, plot)."""
 import json
 
 import pytest
-
 from conftest import ROOT, load_script
 
 
@@ -42,8 +41,16 @@ def test_bootstrap_interval_holds_zero_only_when_it_should(learning):
 
 def test_table_flags_a_difference(learning):
     results = [
-        {"pair": "dqn", "side": side, "seed": s, "env_id": "CartPole-v1", "total_steps": 1000, "episodic_return": r + (300 if side == "lean" else 0)}
-        for s, r in enumerate([10.0, 20.0, 30.0]) for side in ("plain", "lean")
+        {
+            "pair": "dqn",
+            "side": side,
+            "seed": s,
+            "env_id": "CartPole-v1",
+            "total_steps": 1000,
+            "episodic_return": r + (300 if side == "lean" else 0),
+        }
+        for s, r in enumerate([10.0, 20.0, 30.0])
+        for side in ("plain", "lean")
     ]
     info = {"host": "x, 1 cores", "torch": "t", "command": "c", "profile": "quick", "seeds": [0, 1, 2], "wall": "0m01s"}
     row = next(line for line in learning.summarize(results, info).splitlines() if line.startswith("| dqn"))
@@ -68,9 +75,19 @@ def test_merge_makes_one_table_from_parts_and_takes_a_redone_run_from_the_last(l
     for part, seeds in enumerate(([1, 2], [3])):
         folder = tmp_path / f"part{part}"
         folder.mkdir()
-        rows = [{"pair": "td3_continuous_action", "side": side, "seed": s, "env_id": "HalfCheetah-v5", "total_steps": 1000,
-                 "episodic_return": 10.0 * s + (1 if side == "lean" else 0), "curve": [[500, 1.0, 0.0], [1000, 2.0, 10.0 * s]]}
-                for s in seeds for side in ("plain", "lean")]
+        rows = [
+            {
+                "pair": "td3_continuous_action",
+                "side": side,
+                "seed": s,
+                "env_id": "HalfCheetah-v5",
+                "total_steps": 1000,
+                "episodic_return": 10.0 * s + (1 if side == "lean" else 0),
+                "curve": [[500, 1.0, 0.0], [1000, 2.0, 10.0 * s]],
+            }
+            for s in seeds
+            for side in ("plain", "lean")
+        ]
         (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         (folder / "table.md").write_text(f"Machine: CPU {part}, 2 cores; torch 2.13.0. Command: ...\n")
         parts.append(str(folder))
@@ -86,7 +103,9 @@ def test_merge_makes_one_table_from_parts_and_takes_a_redone_run_from_the_last(l
     assert (out / "learning.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     redone = tmp_path / "redone"
     redone.mkdir()
-    (redone / "results.jsonl").write_text(json.dumps({**rows[1], "seed": 1, "episodic_return": 41.0}) + "\n")  # lean seed 1: 11 -> 41
+    (redone / "results.jsonl").write_text(
+        json.dumps({**rows[1], "seed": 1, "episodic_return": 41.0}) + "\n"
+    )  # lean seed 1: 11 -> 41
     assert learning.main(["--merge", *parts, str(redone), "--out", str(out)]) == 0
     table = (out / "table.md").read_text()
     assert "31.0 ± 10.0 (n=3)" in table and "taken from it: 1" in table

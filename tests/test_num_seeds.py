@@ -11,12 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tensordict import from_module
-
 from conftest import TINY, assert_one_line_error, family, load_script, main_in_process, run_script, scripts
+from tensordict import from_module
 from test_dqn import LEARNING, LEARNING_THRESHOLD
-from test_ppo_continuous_action import LEARNING_THRESHOLD as PPO_THRESHOLD
 from test_faults import start_long_run, stop_and_read, wait_for
+from test_ppo_continuous_action import LEARNING_THRESHOLD as PPO_THRESHOLD
+
+import leanrl_utils
 
 PATH = scripts("dqn_torchcompile.py")[0]
 N, N_OBS, N_ACT, BUFFER, BATCH = 3, 4, 2, 500, 32
@@ -32,8 +33,13 @@ def seeds_case(lean, seed=0):
     torch.manual_seed(seed)
     nets = [lean.QNetwork(N_OBS, N_ACT) for _ in range(N)]
     targets = [lean.QNetwork(N_OBS, N_ACT) for _ in range(N)]
-    fields = {"obs": ((N_OBS,), torch.float32), "next_obs": ((N_OBS,), torch.float32), "actions": ((), torch.int64),
-              "rewards": ((), torch.float32), "dones": ((), torch.float32)}
+    fields = {
+        "obs": ((N_OBS,), torch.float32),
+        "next_obs": ((N_OBS,), torch.float32),
+        "actions": ((), torch.int64),
+        "rewards": ((), torch.float32),
+        "dones": ((), torch.float32),
+    }
     storages = []
     for _ in range(N):
         storage = lean.ReplayBuffer(BUFFER, fields, 10, "cpu").storage
@@ -52,19 +58,19 @@ def stacked(lean, nets, targets, storages, learning_rate=2.5e-4):
     """The script's --num-seeds set-up over copies of `nets`, `targets` and `storages`: stacked
     parameters, one Adam, the storage as [buffer_size, seeds, ...], the seeds' update."""
     nets = copy.deepcopy(nets)
-    params = lean.stack_seeds(nets)
-    target_params = lean.stack_seeds(copy.deepcopy(targets))
+    params = leanrl_utils.stack_seeds(nets)
+    target_params = leanrl_utils.stack_seeds(copy.deepcopy(targets))
     storage = {key: torch.stack([s[key] for s in storages], dim=1) for key in storages[0]}
-    optimizer = lean.Adam(params.items(), learning_rate)
-    update = lean.make_seeds_update(dict(params.items()), dict(target_params.items()), optimizer, storage, 0.99, N)
+    optimizer = leanrl_utils.Adam(params.items(), learning_rate)
+    update = lean.make_update(nets[0], dict(target_params.items()), optimizer, storage, 0.99, len(nets))
     return nets, params, target_params, update
 
 
 def single(lean, net, target, storage, learning_rate=2.5e-4):
-    """Today's single-seed update on copies of one seed's network and target."""
-    net, target = copy.deepcopy(net), copy.deepcopy(target)
-    update = lean.make_update(net, target, lean.Adam(net.named_parameters(), learning_rate), storage, 0.99)
-    return net, target, update
+    """A single run's update (a stack of one) on copies of one seed's network and target, its
+    metrics for that one seed."""
+    (net,), params, target_params, update = stacked(lean, [net], [target], [storage], learning_rate)
+    return net, (params, target_params), lambda idx: update(idx)[:, 0]
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -77,18 +83,20 @@ def test_stacked_update_is_n_single_updates(lean, compiled):
     seed_nets, params, target_params, update = stacked(lean, nets, targets, storages)
     singles = [single(lean, nets[k], targets[k], storages[k]) for k in range(N)]
     if compiled:
-        update = torch.compile(update, options={"guard_filter_fn": lean.value_guards, "cpp_wrapper": True})
+        update = torch.compile(update, options={"guard_filter_fn": leanrl_utils.value_guards, "cpp_wrapper": True})
     for step, idx in enumerate(batches):
         if step == 3:
             target_params.lerp_(params, 1.0)
-            for net, target, _ in singles:
-                from_module(target).data.lerp_(from_module(net).data, 1.0)
+            for _, (single_params, single_targets), _ in singles:
+                single_targets.lerp_(single_params, 1.0)
         metrics = update(idx.flatten())
         assert metrics.shape == (len(lean.METRICS), N)
         for k, (net, _, single_update) in enumerate(singles):
             torch.testing.assert_close(metrics[:, k], single_update(idx[k]), rtol=1e-5, atol=1e-6)
             for name, value in net.state_dict().items():
-                torch.testing.assert_close(seed_nets[k].state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=f"seed {k} {name}")
+                torch.testing.assert_close(
+                    seed_nets[k].state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=f"seed {k} {name}"
+                )
 
 
 def assert_only_seed_one_moved(results, seed_dim):
@@ -125,9 +133,9 @@ def test_changing_one_seed_changes_no_other_seed(lean, change):
 def test_stacked_policy_acts_as_each_seeds_network(lean, host):
     """Sub-env block k acts greedily on seed k's network, in numpy (a CPU) and in torch."""
     nets, _, _, _ = seeds_case(lean)
-    policy = lean.make_policy(dict(lean.stack_seeds(nets).items()), N, host)
+    policy = lean.make_policy(nets[0], dict(leanrl_utils.stack_seeds(nets).items()), N, host)
     if not host:
-        policy = lean.host_arrays(policy, torch.device("cpu"))
+        policy = leanrl_utils.host_arrays(policy, torch.device("cpu"))
     obs = torch.randn(N * 64, N_OBS)
     with torch.no_grad():
         expected = torch.cat([net(block).argmax(dim=1) for net, block in zip(nets, obs.view(N, 64, N_OBS))])
@@ -141,7 +149,7 @@ def test_each_seed_stores_its_own_sub_envs(lean, tmp_path, monkeypatch):
     """With 2 seeds of 2 envs, buffer row i, column k holds the step of sub-env k * 2 + i: its
     action, reward and next observation (where no episode ended there)."""
     steps, adds = [], []
-    step, add = lean.SameStepEnvs.step, lean.ReplayBuffer.add
+    step, add = leanrl_utils.SameStepEnvs.step, lean.ReplayBuffer.add
 
     def recording_step(self, actions):
         out = step(self, actions)
@@ -152,7 +160,7 @@ def test_each_seed_stores_its_own_sub_envs(lean, tmp_path, monkeypatch):
         adds.append({key: np.array(value) for key, value in rows.items()})
         return add(self, **rows)
 
-    monkeypatch.setattr(lean.SameStepEnvs, "step", recording_step)
+    monkeypatch.setattr(leanrl_utils.SameStepEnvs, "step", recording_step)
     monkeypatch.setattr(lean.ReplayBuffer, "add", recording_add)
     assert main_in_process(lean, "--num-seeds", 2, "--num-envs", 2, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
     assert len(steps) == len(adds) == 200
@@ -184,7 +192,9 @@ def test_track_makes_one_wandb_run_per_seed(script, workdir):
 @pytest.mark.parametrize("script", ["dqn", "pqn"])
 def test_sigterm_saves_every_seed_and_prints_one_summary(script, workdir):
     """SIGTERM mid-training: exit 143 with the summary, and a finite checkpoint for each seed."""
-    proc = start_long_run(scripts(f"{script}_torchcompile.py")[0], workdir, "--total-timesteps", 10_000_000, "--num-seeds", 2, "--save-model")
+    proc = start_long_run(
+        scripts(f"{script}_torchcompile.py")[0], workdir, "--total-timesteps", 10_000_000, "--num-seeds", 2, "--save-model"
+    )
     summary = stop_and_read(proc, signal.SIGTERM, wait_for(proc, "sps="))
     assert summary["interrupted"] is True and summary["num_seeds"] == 2
     checkpoints = [list(d.glob("*.pt")) for d in seed_dirs(workdir)]
@@ -197,7 +207,9 @@ def test_sigterm_saves_every_seed_and_prints_one_summary(script, workdir):
 def test_a_diverged_seed_stops_the_run_with_finite_checkpoints(workdir):
     """A non-finite loss in any seed ends the run (exit 1, one error line naming the seed); every
     seed's checkpoint holds its last finite weights."""
-    summary, proc = run_script(PATH, *TINY["dqn"], "--num-seeds", 2, "--learning-rate", 1e30, "--save-model", cwd=workdir, check=False)
+    summary, proc = run_script(
+        PATH, *TINY["dqn"], "--num-seeds", 2, "--learning-rate", 1e30, "--save-model", cwd=workdir, check=False
+    )
     assert proc.returncode == 1 and summary["num_seeds"] == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "non-finite td_loss" in errors[0] and "(seed " in errors[0], proc.stderr
@@ -223,8 +235,17 @@ def ppo_case(ppo, seed=0):
     agents = [ppo.Agent(P_OBS, P_ACT) for _ in range(N)]
     for agent in agents:  # a policy that has moved from its initial, near-zero, output layer
         agent.actor_mean[4].weight.data.normal_(0, 0.3)
-    rollouts = [(torch.randn(P_BATCH, P_OBS), torch.randn(P_BATCH, P_ACT), torch.randn(P_BATCH) - 3.0,
-                 torch.randn(P_BATCH), torch.randn(P_BATCH), torch.randn(P_BATCH)) for _ in range(N)]
+    rollouts = [
+        (
+            torch.randn(P_BATCH, P_OBS),
+            torch.randn(P_BATCH, P_ACT),
+            torch.randn(P_BATCH) - 3.0,
+            torch.randn(P_BATCH),
+            torch.randn(P_BATCH),
+            torch.randn(P_BATCH),
+        )
+        for _ in range(N)
+    ]
     idx = [torch.stack([torch.randperm(P_BATCH)[:P_MINIBATCH] for _ in range(N)]) for _ in range(4)]
     return agents, rollouts, idx
 
@@ -255,16 +276,40 @@ def test_ppo_stacked_policy_acts_with_each_seeds_agent(ppo, host):
 def test_ppo_seed_checkpoint_loads_into_the_single_seed_script(workdir):
     """Seed 6's checkpoint (its agent and its own envs' observation statistics), evaluated by the
     single-seed script as seed 6, gives the return the two-seed run reported for it."""
-    summary, _ = run_script(PPO_PATH, *TINY["ppo_continuous_action"], "--num-envs", 2, "--num-seeds", 2, "--seed", 5,
-                            "--save-model", "--eval-episodes", 2, cwd=workdir)
+    summary, _ = run_script(
+        PPO_PATH,
+        *TINY["ppo_continuous_action"],
+        "--num-envs",
+        2,
+        "--num-seeds",
+        2,
+        "--seed",
+        5,
+        "--save-model",
+        "--eval-episodes",
+        2,
+        cwd=workdir,
+    )
     checkpoints = [next(d.glob("*.pt")) for d in seed_dirs(workdir)]
     saved = [torch.load(c, weights_only=True) for c in checkpoints]
     assert saved[1]["args"]["seed"] == 6 and set(saved[1]["model"]) == {"agent", "obs_rms"}
     assert saved[1]["model"]["obs_rms"]["mean"].shape == (2, 4)
     assert saved[1]["model"]["agent"]["critic.0.weight"].shape == (64, 4)
     assert not torch.equal(saved[0]["model"]["obs_rms"]["mean"], saved[1]["model"]["obs_rms"]["mean"])
-    loaded, _ = run_script(PPO_PATH, "--env-id", "InvertedPendulum-v5", "--load-model", checkpoints[1], "--total-timesteps", 0,
-                           "--eval-episodes", 2, "--seed", 6, cwd=workdir)
+    loaded, _ = run_script(
+        PPO_PATH,
+        "--env-id",
+        "InvertedPendulum-v5",
+        "--load-model",
+        checkpoints[1],
+        "--total-timesteps",
+        0,
+        "--eval-episodes",
+        2,
+        "--seed",
+        6,
+        cwd=workdir,
+    )
     assert loaded["eval_return"] == summary["eval_returns"][1]
 
 
@@ -284,9 +329,18 @@ def atari_case(atari, seed=0):
     reset step, valid 0) and 3 minibatch index sets [A_N, minibatch]."""
     torch.manual_seed(seed)
     agents = [atari.Agent(A_ACT) for _ in range(A_N)]
-    rollouts = [(torch.randint(0, 256, (A_BATCH, 4, 84, 84), dtype=torch.uint8), torch.randint(0, A_ACT, (A_BATCH,)),
-                 -torch.rand(A_BATCH) - 1.0, torch.randn(A_BATCH), torch.randn(A_BATCH), torch.randn(A_BATCH),
-                 (torch.rand(A_BATCH) > 0.125).float()) for _ in range(A_N)]
+    rollouts = [
+        (
+            torch.randint(0, 256, (A_BATCH, 4, 84, 84), dtype=torch.uint8),
+            torch.randint(0, A_ACT, (A_BATCH,)),
+            -torch.rand(A_BATCH) - 1.0,
+            torch.randn(A_BATCH),
+            torch.randn(A_BATCH),
+            torch.randn(A_BATCH),
+            (torch.rand(A_BATCH) > 0.125).float(),
+        )
+        for _ in range(A_N)
+    ]
     idx = [torch.stack([torch.randperm(A_BATCH)[:A_MINIBATCH] for _ in range(A_N)]) for _ in range(3)]
     return agents, rollouts, idx
 
@@ -326,10 +380,17 @@ def test_ppo_atari_finished_games_go_to_their_seeds_run(atari):
     """Infos of 2 seeds x 2 envs (as RecordEpisodeStatistics over envpool gives them, nested
     `players` included) where the games of sub-envs 1 and 2 end: seed 0 charts sub-env 1's game,
     seed 1 sub-env 2's (its env 0)."""
-    infos = {"env_id": np.arange(4), "players": {"env_id": np.arange(4)}, "lives": np.array([3, 0, 0, 2]),
-             "reward": np.zeros(4), "terminated": np.array([0, 1, 1, 0]), "ram": np.zeros((4, 128), np.uint8),
-             "elapsed_step": np.arange(4), "episode": {"r": np.array([1.0, 2.0, 3.0, 4.0]), "l": np.array([10, 20, 30, 40])},
-             "_episode": np.array([False, True, True, False])}
+    infos = {
+        "env_id": np.arange(4),
+        "players": {"env_id": np.arange(4)},
+        "lives": np.array([3, 0, 0, 2]),
+        "reward": np.zeros(4),
+        "terminated": np.array([0, 1, 1, 0]),
+        "ram": np.zeros((4, 128), np.uint8),
+        "elapsed_step": np.arange(4),
+        "episode": {"r": np.array([1.0, 2.0, 3.0, 4.0]), "l": np.array([10, 20, 30, 40])},
+        "_episode": np.array([False, True, True, False]),
+    }
     assert [atari.Run.finished(7, atari.seed_slice(infos, k, 2)) for k in range(2)] == [[(7, 2.0, 20)], [(7, 3.0, 30)]]
 
 
@@ -392,8 +453,17 @@ def test_ppo_atari_a_diverged_seed_stops_the_run_and_saves_no_non_finite_weights
     """A learning rate of 1e30 blows both seeds up in the first iteration: exit 1 after the
     summary, one error line naming the seed and the step, and no checkpoint (the weights were
     finite at no log point)."""
-    summary, proc = run_script(ATARI_PATH, *TINY["ppo_atari_envpool"], "--num-seeds", 2, "--learning-rate", 1e30, "--save-model",
-                               cwd=workdir, check=False)
+    summary, proc = run_script(
+        ATARI_PATH,
+        *TINY["ppo_atari_envpool"],
+        "--num-seeds",
+        2,
+        "--learning-rate",
+        1e30,
+        "--save-model",
+        cwd=workdir,
+        check=False,
+    )
     assert proc.returncode == 1 and summary["num_seeds"] == 2 and summary["checkpoint"] is None
     assert_one_line_error(proc, "non-finite", "at step 32 (seed 1)")
     assert [list(d.glob("*.pt")) for d in seed_dirs(workdir)] == [[], []]
@@ -405,10 +475,22 @@ def test_ppo_atari_a_diverged_seed_stops_the_run_and_saves_no_non_finite_weights
 # its Args (Atari: a small max_grad_norm, so that the vmapped clipping bites), the learning rate,
 # the first layer's weight, and a change to one seed's rollout.
 PPO_SCRIPTS = {
-    "continuous": ("ppo", ppo_case, {"num_minibatches": P_BATCH // P_MINIBATCH}, 3e-4, lambda a: a.critic[0].weight,
-                   lambda r: (*r[:3], r[3] + 1.0, *r[4:])),
-    "atari": ("atari", atari_case, {"num_minibatches": A_BATCH // A_MINIBATCH, "max_grad_norm": 0.05}, 2.5e-4,
-              lambda a: a.network[0].weight, lambda r: (255 - r[0], *r[1:])),
+    "continuous": (
+        "ppo",
+        ppo_case,
+        {"num_minibatches": P_BATCH // P_MINIBATCH},
+        3e-4,
+        lambda a: a.critic[0].weight,
+        lambda r: (*r[:3], r[3] + 1.0, *r[4:]),
+    ),
+    "atari": (
+        "atari",
+        atari_case,
+        {"num_minibatches": A_BATCH // A_MINIBATCH, "max_grad_norm": 0.05},
+        2.5e-4,
+        lambda a: a.network[0].weight,
+        lambda r: (255 - r[0], *r[1:]),
+    ),
 }
 
 
@@ -432,7 +514,9 @@ def ppo_updates(request, script, compiled=False, change=None):
 
     seed_agents = copy.deepcopy(agents)
     params = module.stack_seeds(seed_agents)
-    stacked = module.make_update(seed_agents[0], module.Adam(params.items(), torch.tensor(lr), eps=1e-5, fused=not compiled), args, 1, len(agents))
+    stacked = module.make_update(
+        seed_agents[0], module.Adam(params.items(), torch.tensor(lr), eps=1e-5, fused=not compiled), args, 1, len(agents)
+    )
     singles = []
     for agent in copy.deepcopy(agents):
         optimizer = module.Adam(agent.named_parameters(), torch.tensor(lr), eps=1e-5, fused=not compiled)
@@ -457,7 +541,9 @@ def test_ppo_stacked_update_is_n_single_updates(script, compiled, request):
         for k, (agent, single_update) in enumerate(singles):
             torch.testing.assert_close(metrics[k], single_update(*rollouts[k], step_idx[k]), rtol=1e-5, atol=1e-6)
             for name, value in agent.state_dict().items():
-                torch.testing.assert_close(seed_agents[k].state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=f"seed {k} {name}")
+                torch.testing.assert_close(
+                    seed_agents[k].state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=f"seed {k} {name}"
+                )
     # The steps moved the weights (a test of nothing otherwise).
     assert not torch.equal(first_weight(seed_agents[0]), first_weight(agents[0]))
 
@@ -492,8 +578,10 @@ def pqn_case(pqn, seed=0):
     fall either side of Q_CLIP: clipping by a norm shared across seeds would show."""
     torch.manual_seed(seed)
     nets = [pqn.QNetwork(N_OBS, N_ACT) for _ in range(N)]
-    rollouts = [(torch.randn(Q_BATCH, N_OBS), torch.randint(0, N_ACT, (Q_BATCH,)), torch.randn(Q_BATCH) * scale + shift)
-                for scale, shift in ((0.1, 0.0), (10.0, 2.0), (1.0, 2.0))]
+    rollouts = [
+        (torch.randn(Q_BATCH, N_OBS), torch.randint(0, N_ACT, (Q_BATCH,)), torch.randn(Q_BATCH) * scale + shift)
+        for scale, shift in ((0.1, 0.0), (10.0, 2.0), (1.0, 2.0))
+    ]
     idx = [torch.stack([torch.randperm(Q_BATCH)[:Q_MINIBATCH] for _ in range(N)]) for _ in range(4)]
     return nets, rollouts, idx
 
@@ -511,14 +599,31 @@ def pqn_updates(pqn, compiled=False, change=None):
         idx = [torch.cat([i[:1], i[1:2].flip(1) // 2, i[2:]]) for i in idx]
 
     def compile_(update):
-        return torch.compile(update, fullgraph=True, options={"guard_filter_fn": pqn.value_guards, "cpp_wrapper": True}) if compiled else update
+        return (
+            torch.compile(update, fullgraph=True, options={"guard_filter_fn": pqn.value_guards, "cpp_wrapper": True})
+            if compiled
+            else update
+        )
 
     seed_nets = copy.deepcopy(nets)
     params = pqn.stack_seeds(seed_nets)
-    stacked = pqn.make_seeds_update(pqn.RAdam(params.items(), torch.tensor(2.5e-4), capturable=compiled), Q_CLIP, N)
+    stacked = pqn.make_update(seed_nets[0], pqn.RAdam(params.items(), torch.tensor(2.5e-4), capturable=compiled), Q_CLIP, N)
     singles = []
     for net in copy.deepcopy(nets):
-        singles.append((net, compile_(pqn.make_update(net, pqn.RAdam(net.named_parameters(), torch.tensor(2.5e-4), capturable=compiled), Q_CLIP))))
+        # A single run: a stack of one, called with that run's batch and rows.
+        single = pqn.make_update(
+            net, pqn.RAdam(pqn.stack_seeds([net]).items(), torch.tensor(2.5e-4), capturable=compiled), Q_CLIP, 1
+        )
+        singles.append(
+            (
+                net,
+                compile_(
+                    lambda obs, actions, returns, idx, single=single: single(
+                        obs[None], actions[None], returns[None], idx[None]
+                    )[:, 0]
+                ),
+            )
+        )
     batch = tuple(torch.stack(fields) for fields in zip(*rollouts))
     return nets, rollouts, idx, (seed_nets, compile_(stacked), batch), singles
 
@@ -541,7 +646,9 @@ def test_pqn_stacked_update_is_n_single_updates(pqn, compiled):
         for k, (net, single_update) in enumerate(singles):
             torch.testing.assert_close(metrics[:, k], single_update(*rollouts[k], step_idx[k]), rtol=1e-5, atol=1e-6)
             for name, value in net.state_dict().items():
-                torch.testing.assert_close(seed_nets[k].state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=f"seed {k} {name}")
+                torch.testing.assert_close(
+                    seed_nets[k].state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=f"seed {k} {name}"
+                )
     assert not torch.equal(seed_nets[0].network[0].weight, nets[0].network[0].weight)
 
 
@@ -567,7 +674,7 @@ def test_pqn_stacked_policy_acts_as_each_seeds_network(pqn, host):
         for norm in (net.network[1], net.network[4]):
             norm.weight.data.uniform_(0.5, 1.5)
             norm.bias.data.normal_()
-    policy = pqn.make_policy(dict(pqn.stack_seeds(nets).items()), N, host)
+    policy = pqn.make_policy(nets[0], dict(pqn.stack_seeds(nets).items()), N, host)
     if not host:
         policy = pqn.host_arrays(policy, torch.device("cpu"))
     obs = torch.randn(N * 64, N_OBS)
@@ -581,7 +688,7 @@ def test_pqn_stacked_policy_acts_as_each_seeds_network(pqn, host):
 def test_pqn_each_seed_learns_from_its_own_sub_envs(pqn, tmp_path, monkeypatch):
     """With 2 seeds of 2 envs, row k of the update's first batch holds sub-envs 2k and 2k + 1,
     step by step: their observations and the actions taken in them."""
-    observations, actions, batches = record_rollouts(pqn, pqn.SameStepEnvs, "make_seeds_update", monkeypatch)
+    observations, actions, batches = record_rollouts(pqn, pqn.SameStepEnvs, "make_update", monkeypatch)
     assert main_in_process(pqn, "--num-seeds", 2, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
     assert batches[0][0].shape == (2, 128, 4) and batches[0][1].shape == (2, 128)
     assert_rows_hold_their_seeds_sub_envs(batches[0], observations, actions, num_steps=64)
@@ -594,13 +701,14 @@ def test_pqn_seed_k_starts_as_a_single_run_of_seed_k(pqn, tmp_path, monkeypatch)
     stack_seeds, make_policy, reset = pqn.stack_seeds, pqn.make_policy, pqn.SameStepEnvs.reset
 
     def recording_stack_seeds(networks):
-        seen["stacked"] = [copy.deepcopy(net.state_dict()) for net in networks]
+        if len(networks) > 1:  # a single run stacks its one network too
+            seen["stacked"] = [copy.deepcopy(net.state_dict()) for net in networks]
         return stack_seeds(networks)
 
-    def recording_make_policy(params, num_seeds, host):
+    def recording_make_policy(q_network, params, num_seeds, host):
         if num_seeds == 1:
             seen["single"] = {name: t[0].clone() for name, t in params.items()}
-        return make_policy(params, num_seeds, host)
+        return make_policy(q_network, params, num_seeds, host)
 
     def recording_reset(self, **kwargs):
         obs, infos = reset(self, **kwargs)
@@ -621,7 +729,9 @@ def test_pqn_seed_k_starts_as_a_single_run_of_seed_k(pqn, tmp_path, monkeypatch)
 def test_pqn_a_diverged_seed_stops_the_run_with_finite_checkpoints(workdir):
     """A learning rate of 1e30: exit 1 after the summary, one error line naming the seed and the
     step, and no checkpoint of non-finite weights."""
-    summary, proc = run_script(PQN_PATH, *TINY["pqn"], "--num-seeds", 2, "--learning-rate", 1e30, "--save-model", cwd=workdir, check=False)
+    summary, proc = run_script(
+        PQN_PATH, *TINY["pqn"], "--num-seeds", 2, "--learning-rate", 1e30, "--save-model", cwd=workdir, check=False
+    )
     assert proc.returncode == 1 and summary["num_seeds"] == 2
     assert_one_line_error(proc, "non-finite td_loss", "(seed ")
     for d in seed_dirs(workdir):
@@ -648,8 +758,14 @@ def test_two_seeds_run_with_a_folder_each(script, mode, workdir):
     """Seeds 5 and 6: a folder each (one time stamp for the group) whose curve ends at the run's
     last step, and the summary's per-seed returns and evaluations, which it averages."""
     path, extra, steps, updates = TWO_SEEDS[script]
-    summary, _ = run_script(path, *TINY[family(path)], *mode, *extra, "--num-seeds", 2, "--seed", 5, "--eval-episodes", 1, cwd=workdir)
-    assert summary["num_seeds"] == 2 and summary["total_steps"] == steps and summary["updates"] == (updates or summary["updates"]) > 0
+    summary, _ = run_script(
+        path, *TINY[family(path)], *mode, *extra, "--num-seeds", 2, "--seed", 5, "--eval-episodes", 1, cwd=workdir
+    )
+    assert (
+        summary["num_seeds"] == 2
+        and summary["total_steps"] == steps
+        and summary["updates"] == (updates or summary["updates"]) > 0
+    )
     assert len(summary["episodic_returns"]) == len(summary["eval_returns"]) == 2
     assert None not in summary["episodic_returns"] and None not in summary["eval_returns"], summary
     assert summary["episodic_return"] == pytest.approx(sum(summary["episodic_returns"]) / 2, abs=1e-3)
@@ -677,7 +793,9 @@ def test_a_seeds_checkpoint_loads_into_the_single_seed_script(script, workdir):
     same evaluation env seed), gives the return the two-seed run reported for it: the same greedy
     network."""
     path, network, shape, episodes = SEED_CHECKPOINTS[script]
-    summary, _ = run_script(path, *TINY[family(path)], "--num-seeds", 2, "--seed", 5, "--save-model", "--eval-episodes", episodes, cwd=workdir)
+    summary, _ = run_script(
+        path, *TINY[family(path)], "--num-seeds", 2, "--seed", 5, "--save-model", "--eval-episodes", episodes, cwd=workdir
+    )
     checkpoints = [next(d.glob("*.pt")) for d in seed_dirs(workdir)]
     assert str(checkpoints[0]).endswith(summary["checkpoint"])
     saved = [torch.load(c, weights_only=True) for c in checkpoints]
@@ -685,7 +803,9 @@ def test_a_seeds_checkpoint_loads_into_the_single_seed_script(script, workdir):
     # Each seed's own weights, not a view of both seeds' storage.
     assert saved[1]["model"][network]["network.0.weight"].shape == shape
     assert not torch.equal(saved[0]["model"][network]["network.0.weight"], saved[1]["model"][network]["network.0.weight"])
-    loaded, _ = run_script(path, "--load-model", checkpoints[1], "--total-timesteps", 0, "--eval-episodes", episodes, "--seed", 6, cwd=workdir)
+    loaded, _ = run_script(
+        path, "--load-model", checkpoints[1], "--total-timesteps", 0, "--eval-episodes", episodes, "--seed", 6, cwd=workdir
+    )
     assert loaded["num_seeds"] == 1 and "episodic_returns" not in loaded
     assert loaded["eval_return"] == summary["eval_returns"][1]
 
@@ -720,8 +840,12 @@ def test_bad_num_seeds_is_one_line(case, workdir):
 # Per script: the single-seed learning test's run (its arguments, budget per seed, threshold).
 LEARNS = {
     "dqn-cartpole": (PATH, [*LEARNING, "--compile"], 30_000, LEARNING_THRESHOLD),
-    "ppo-inverted-pendulum": (PPO_PATH, ["--env-id", "InvertedPendulum-v5", "--total-timesteps", 40960, "--num-steps", 1024,
-                                         "--seed", 1, "--compile"], 40_960, PPO_THRESHOLD),
+    "ppo-inverted-pendulum": (
+        PPO_PATH,
+        ["--env-id", "InvertedPendulum-v5", "--total-timesteps", 40960, "--num-steps", 1024, "--seed", 1, "--compile"],
+        40_960,
+        PPO_THRESHOLD,
+    ),
     # PQN: CleanRL's full budget; 200 (a random policy gets about 22) and not the single-seed
     # test's 475: of 180 single lean runs (benchmark/learning), 21 end below 475 and 2 below 200.
     "pqn-cartpole": (PQN_PATH, ["--seed", 1, "--compile"], 499_712, 200.0),

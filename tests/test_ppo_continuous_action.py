@@ -1,6 +1,9 @@
 """PPO pair (continuous actions): the lean script's batched normalization against the plain
-script's per-env wrappers, the lean update against the plain update's math, compiled against eager, GAE against the reference loop, the --target-kl rule, checkpoints that carry the
-observation statistics across the pair, determinism, bad input, and learning."""
+script's per-env wrappers, the lean update against the plain update's math, compiled against
+eager, a stack of one seed against one agent, GAE against the reference loop, every form of the
+networks derived from the module (also once the module is changed), the --target-kl rule,
+checkpoints that carry the observation statistics across the pair, determinism, bad input, and
+learning."""
 
 import copy
 import csv
@@ -10,8 +13,22 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
+import torch.nn as nn
+from conftest import (
+    TINY,
+    assert_one_line_error,
+    assert_same_run,
+    load_script,
+    main_in_process,
+    recorded_runs,
+    run_script,
+    scripts,
+    short_env,
+    shuffle_as_lean,
+)
+from torch.func import functional_call
 
-from conftest import TINY, assert_one_line_error, assert_same_run, load_script, recorded_runs, run_script, scripts, short_env, shuffle_as_lean
+import leanrl_utils
 
 PLAIN_PATH = scripts("ppo_continuous_action.py")[0]
 LEAN_PATH = scripts("ppo_continuous_action_torchcompile.py")[0]
@@ -38,9 +55,10 @@ def random_batch(generator):
 
 def lean_update(lean, agent, args, compiled):
     lr = torch.tensor(args.learning_rate)
-    optimizer = lean.Adam(agent.named_parameters(), lr, eps=1e-5, fused=not compiled)
+    optimizer = leanrl_utils.Adam(agent.named_parameters(), lr, eps=1e-5, fused=not compiled)
     update = lean.make_update(agent, optimizer, args)
-    return (torch.compile(update, fullgraph=True, options={"guard_filter_fn": lean.value_guards}) if compiled else update), lr
+    options = {"guard_filter_fn": leanrl_utils.value_guards}
+    return (torch.compile(update, fullgraph=True, options=options) if compiled else update), lr
 
 
 def plain_step(plain, agent, optimizer, args, minibatch):
@@ -187,7 +205,7 @@ def test_normalization_is_the_plain_wrappers(plain, lean, num_envs):
         done = np.logical_or(terminations, truncations)
         if done.any():
             rows = np.flatnonzero(done)
-            norm.final_obs(np.stack([infos["final_obs"][i] for i in rows]), rows)
+            norm.final_obs(infos["final_obs"], rows)
             ends += len(rows)
         got_reward = torch.as_tensor(norm.reward(reward, terminations))
         torch.testing.assert_close(norm.obs(torch.as_tensor(raw)), torch.as_tensor(expected), rtol=1e-6, atol=1e-6)
@@ -200,7 +218,12 @@ def test_normalization_is_the_plain_wrappers(plain, lean, num_envs):
     for i, env in enumerate(plain_envs.envs):
         while not isinstance(env, gym.wrappers.NormalizeObservation):
             if isinstance(env, gym.wrappers.NormalizeReward):
-                torch.testing.assert_close(torch.as_tensor(norm.ret_var[i]), torch.tensor(env.return_rms.var, dtype=torch.float64).reshape(()), rtol=1e-12, atol=0)
+                torch.testing.assert_close(
+                    torch.as_tensor(norm.ret_var[i]),
+                    torch.tensor(env.return_rms.var, dtype=torch.float64).reshape(()),
+                    rtol=1e-12,
+                    atol=0,
+                )
             env = env.env
         torch.testing.assert_close(state["mean"][i], torch.as_tensor(env.obs_rms.mean), rtol=1e-12, atol=0)
         torch.testing.assert_close(state["var"][i], torch.as_tensor(env.obs_rms.var), rtol=1e-8, atol=0)
@@ -237,7 +260,7 @@ def test_policy_acts_from_the_agent_and_sees_every_update(lean, host):
     torch.manual_seed(0)
     agent = lean.Agent(5, 3)
     agent.actor_logstd.data.fill_(-0.5)
-    params = {name: p.detach().unsqueeze(0) for name, p in agent.named_parameters()}
+    params = dict(leanrl_utils.stack_seeds([agent]).items())  # one seed: a stack of one, as in main
     policy = lean.make_policy(agent, params, 1, host, seed=1)
     obs = torch.randn(4096, 5)
     for _ in range(2):
@@ -253,6 +276,173 @@ def test_policy_acts_from_the_agent_and_sees_every_update(lean, host):
             for p in agent.parameters():
                 p.mul_(1.5).add_(0.1)
     assert action.shape == (4096, 3) and logprob.shape == value.shape == (4096,)
+
+
+def changed_agent(lean, activation=nn.ReLU):
+    """A researcher's edit of Agent, its forward kept: in both networks other widths, ReLU for
+    Tanh (the first activation `activation`) and an extra layer."""
+
+    class ChangedAgent(lean.Agent):
+        def __init__(self, n_obs, n_act, device=None):
+            nn.Module.__init__(self)
+
+            def mlp(n_out):
+                return nn.Sequential(
+                    nn.Linear(n_obs, 32, device=device),
+                    activation(),
+                    nn.Linear(32, 48, device=device),
+                    nn.ReLU(),
+                    nn.Linear(48, 16, device=device),
+                    nn.ReLU(),
+                    nn.Linear(16, n_out, device=device),
+                )
+
+            self.critic, self.actor_mean = mlp(1), mlp(n_act)
+            self.actor_logstd = nn.Parameter(torch.full((1, n_act), -0.5, device=device))
+
+    return ChangedAgent
+
+
+def module_acting(agents, obs):
+    """Each seed's module on its block of `obs` (seed k's envs in block k): action means, log-stds
+    and values, stacked [seeds, rows, ...]."""
+    blocks = obs.view(len(agents), -1, obs.shape[-1])
+    with torch.no_grad():
+        return [torch.stack(x) for x in zip(*(agent(block) for agent, block in zip(agents, blocks)))]
+
+
+@pytest.mark.parametrize("num_seeds", [1, 3], ids=["1seed", "3seeds"])
+@pytest.mark.parametrize("host", [True, False], ids=["numpy", "torch"])
+def test_changed_network_is_followed_by_every_derived_form(lean, host, num_seeds):
+    """The networks written once: with Agent's actor_mean and critic changed, the numpy policy (a
+    CPU) and the torch one (seeds_forward), for one seed (a stack of one) and stacked seeds, give
+    each seed's values of the changed critic and actions from the changed actor's mean and each
+    seed's log-std with the policy's own noise (replayed from its generator), log-probabilities of
+    those actions under that Gaussian, also after an in-place step of the stacked parameters (as
+    Adam's). One seed in torch runs the module's own ops: bit for bit; numpy and vmapped seeds
+    within float32 rounding (rtol and atol 1e-5; the log-probabilities, a sum of squares, 1e-4)."""
+    torch.manual_seed(0)
+    agents = [changed_agent(lean)(6, 2) for _ in range(num_seeds)]
+    for k, agent in enumerate(agents):
+        agent.actor_logstd.data.fill_(-0.5 * k)
+    params = leanrl_utils.stack_seeds(agents)
+    policy = lean.make_policy(agents[0], dict(params.items()), num_seeds, host, seed=5)
+    rng, obs = np.random.default_rng(5), torch.randn(num_seeds * 64, 6)
+    exact = dict(rtol=0, atol=0) if num_seeds == 1 and not host else dict(rtol=1e-5, atol=1e-5)
+    for _ in range(2):
+        torch.manual_seed(7)
+        action, logprob, value = policy(obs)
+        mean, logstd, expected_value = module_acting(agents, obs)
+        torch.manual_seed(7)
+        noise = torch.from_numpy(rng.standard_normal(mean.shape, dtype=np.float32)) if host else torch.randn(mean.shape)
+        torch.testing.assert_close(value, expected_value.flatten(), **exact)
+        torch.testing.assert_close(action, (mean + logstd.exp() * noise).flatten(0, 1), **exact)
+        density = torch.distributions.Normal(mean, logstd.exp()).log_prob(action.view_as(mean)).sum(2)
+        torch.testing.assert_close(logprob, density.flatten(), rtol=1e-4, atol=1e-4)
+        with torch.no_grad():
+            for p in params.values():
+                p.mul_(1.1).add_(0.01)
+
+
+def test_changed_network_acts_as_the_module_in_a_whole_run(lean, monkeypatch, tmp_path):
+    """The script run with a changed Agent and 2 seeds: every call of its (numpy) policy, also
+    after Adam steps, gives each seed's value of the changed critic with that seed's current
+    weights, and actions whose log-probability is that under the changed actor's Gaussian; each
+    seed's checkpoint holds the changed networks."""
+    make_policy, weights = lean.make_policy, []
+
+    def checked_make_policy(agent, params, num_seeds, host, seed=0):
+        policy = make_policy(agent, params, num_seeds, host, seed=seed)
+
+        def checked(obs):
+            action, logprob, value = policy(obs)
+            blocks, actions = obs.view(num_seeds, -1, obs.shape[-1]), action.view(num_seeds, -1, action.shape[-1])
+            rows = blocks.shape[1]
+            with torch.no_grad():
+                for k in range(num_seeds):
+                    mean, logstd, expected_value = functional_call(agent, {n: p[k] for n, p in params.items()}, (blocks[k],))
+                    seed_rows = slice(k * rows, (k + 1) * rows)
+                    torch.testing.assert_close(value[seed_rows], expected_value, rtol=1e-5, atol=1e-5)
+                    density = torch.distributions.Normal(mean, logstd.exp()).log_prob(actions[k]).sum(1)
+                    torch.testing.assert_close(logprob[seed_rows], density, rtol=1e-4, atol=1e-4)
+            weights.append(float(params["critic.0.weight"].sum()))  # changes with every iteration's updates
+            return action, logprob, value
+
+        return checked
+
+    monkeypatch.setattr(lean, "Agent", changed_agent(lean))
+    monkeypatch.setattr(lean, "make_policy", checked_make_policy)
+    assert main_in_process(lean, "--num-seeds", 2, "--save-model", tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
+    # TINY: 4 iterations of 64 steps and a bootstrap call, the weights new in each.
+    assert len(weights) == 4 * 65 and len(set(weights)) == 4, (len(weights), len(set(weights)))
+    checkpoints = sorted(tmp_path.glob("runs/*/*.pt"))
+    assert len(checkpoints) == 2
+    for path in checkpoints:
+        agent = torch.load(path, weights_only=True)["model"]["agent"]
+        assert agent["actor_mean.6.weight"].shape == (1, 16) and agent["critic.2.weight"].shape == (48, 32)
+
+
+def test_layer_without_a_numpy_form_is_one_line(lean, monkeypatch, tmp_path, capsys):
+    """A layer numpy acting has no form for (GELU) ends the run with exit 2 and one `error:` line
+    naming it, before any step, also from main; the torch form follows the module as ever (one
+    seed: bit for bit)."""
+    gelu_agent = changed_agent(lean, activation=nn.GELU)
+    torch.manual_seed(0)
+    agents = [gelu_agent(6, 2) for _ in range(2)]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        lean.make_policy(agents[0], dict(leanrl_utils.stack_seeds(agents).items()), 2, host=True)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and err.count("\n") == 1, err
+    assert "actor_mean.1" in err and "GELU" in err, err
+
+    agent = gelu_agent(6, 2)
+    policy = lean.make_policy(agent, dict(leanrl_utils.stack_seeds([agent]).items()), 1, host=False)
+    obs = torch.randn(64, 6)
+    torch.manual_seed(7)
+    action, _, value = policy(obs)
+    mean, logstd, expected_value = module_acting([agent], obs)
+    torch.manual_seed(7)
+    torch.testing.assert_close(value, expected_value[0], rtol=0, atol=0)
+    torch.testing.assert_close(action, (mean + logstd.exp() * torch.randn(mean.shape))[0], rtol=0, atol=0)
+
+    monkeypatch.setattr(lean, "Agent", gelu_agent)
+    capsys.readouterr()
+    assert main_in_process(lean, tmp_path=tmp_path, monkeypatch=monkeypatch) == 2
+    out, err = capsys.readouterr()
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "actor_mean.1 (GELU)" in errors[0] and "Traceback" not in err and out.strip() == "", err
+
+
+@pytest.mark.parametrize("changed", [False, True], ids=["agent", "changed-agent"])
+def test_stack_of_one_update_is_the_one_agent_update(lean, changed):
+    """One seed is a stack of one: make_update over stack_seeds([agent]) with num_seeds 1 (the
+    rollout and indices with a leading seed dimension of 1) runs the one agent's own ops and the
+    same fused Adam kernel as the update of the unstacked agent, so its metrics and parameters are
+    those bit for bit, for CleanRL's Agent and a changed one."""
+    args = lean.Args(max_grad_norm=0.05, ent_coef=0.01)
+    torch.manual_seed(0)
+    single = (changed_agent(lean) if changed else lean.Agent)(N_OBS, N_ACT)
+    stacked = copy.deepcopy(single)
+    single_update, single_lr = lean_update(lean, single, args, compiled=False)
+    lr = torch.tensor(args.learning_rate)
+    params = leanrl_utils.stack_seeds([stacked])
+    stacked_update = lean.make_update(stacked, leanrl_utils.Adam(params.items(), lr, eps=1e-5, fused=True), args, 1, 1)
+    initial = copy.deepcopy(single)
+    g = torch.Generator().manual_seed(3)
+    batch = random_batch(g)
+    for step in range(3):
+        for rate in (lr, single_lr):
+            rate.copy_((1.0 - step / 3) * args.learning_rate)
+        idx = torch.randperm(BATCH, generator=g)[:MINIBATCH]
+        expected = single_update(*batch, idx)
+        metrics = stacked_update(*(x[None] for x in batch), idx[None])
+        assert metrics.shape == (1, len(lean.METRICS))
+        torch.testing.assert_close(metrics[0], expected, rtol=0, atol=0)
+    for name, value in single.state_dict().items():
+        torch.testing.assert_close(stacked.state_dict()[name], value, rtol=0, atol=0, msg=name)
+    assert not torch.equal(single.critic[0].weight, initial.critic[0].weight)
 
 
 def test_gae_matches_reference_loop(lean):
@@ -316,16 +506,26 @@ def test_target_kl_stops_after_the_epoch_whose_last_minibatch_exceeds_it(path, p
             def wrapped(*args):
                 metrics = update(*args).clone()
                 calls[0] += 1
-                metrics[lean.APPROX_KL] = math.exp(OFFSET) - 1 - OFFSET if scripted(calls[0] - 1) else 0.0
+                metrics[..., lean.APPROX_KL] = math.exp(OFFSET) - 1 - OFFSET if scripted(calls[0] - 1) else 0.0
                 return metrics
 
             return wrapped
 
         monkeypatch.setattr(lean, "make_policy", counting_policy)
         monkeypatch.setattr(lean, "make_update", scripted_update)
-    monkeypatch.setattr(module.Run, "log", lambda self, step, updates, metrics, networks: logged.append((updates, metrics["losses/approx_kl"])))
+    log = lambda self, step, updates, metrics, networks: logged.append((updates, metrics["losses/approx_kl"]))
+    monkeypatch.setattr(leanrl_utils.Run, "log", log)
     monkeypatch.chdir(tmp_path)
-    module.main(module.Args(env_id="InvertedPendulum-v5", total_timesteps=256, num_steps=64, num_minibatches=minibatches, update_epochs=4, target_kl=TARGET_KL))
+    module.main(
+        module.Args(
+            env_id="InvertedPendulum-v5",
+            total_timesteps=256,
+            num_steps=64,
+            num_minibatches=minibatches,
+            update_epochs=4,
+            target_kl=TARGET_KL,
+        )
+    )
     updates = [u for u, _ in logged]
     assert [b - a for a, b in zip([0] + updates, updates)] == [4, 4, 4, 4]
     assert all(kl > TARGET_KL for _, kl in logged)  # the logged approx_kl is the last minibatch's
@@ -338,7 +538,10 @@ def test_same_seed_same_run(path, workdir):
     first, second = ({k: v for k, v in run.items() if k not in timing} for run in runs)
     assert first == second and first["updates"] == 16
     # The learning curve too, but for its wall-clock column.
-    curves = [[(r["step"], r["episodic_return"]) for r in csv.DictReader(open(workdir / run["run_dir"] / "curve.csv"))] for run in runs]
+    curves = [
+        [(r["step"], r["episodic_return"]) for r in csv.DictReader(open(workdir / run["run_dir"] / "curve.csv"))]
+        for run in runs
+    ]
     assert curves[0] == curves[1] and curves[0]
 
 
@@ -355,7 +558,17 @@ def test_checkpoints_carry_observation_statistics_across_the_pair(workdir):
         saved[path] = summary["checkpoint"]
     for checkpoint in saved.values():
         returns = [
-            run_script(path, *TINY["ppo_continuous_action"], "--total-timesteps", "0", "--load-model", checkpoint, "--eval-episodes", "2", cwd=workdir)[0]["eval_return"]
+            run_script(
+                path,
+                *TINY["ppo_continuous_action"],
+                "--total-timesteps",
+                "0",
+                "--load-model",
+                checkpoint,
+                "--eval-episodes",
+                "2",
+                cwd=workdir,
+            )[0]["eval_return"]
             for path in BOTH
         ]
         assert returns[0] == returns[1] is not None
@@ -380,7 +593,14 @@ def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path)
     draw (the action noise from numpy's generator against torch's, torch.randperm against
     np.random.shuffle: the same distributions) and in float rounding."""
     monkeypatch.chdir(tmp_path)
-    args = dict(env_id=short_env("InvertedPendulum-v5", 20), num_envs=2, num_steps=64, total_timesteps=512, num_minibatches=2, update_epochs=2)
+    args = dict(
+        env_id=short_env("InvertedPendulum-v5", 20),
+        num_envs=2,
+        num_steps=64,
+        total_timesteps=512,
+        num_minibatches=2,
+        update_epochs=2,
+    )
     rng = np.random.default_rng(1)  # what the lean policy seeds with --seed 1
     monkeypatch.setattr(plain, "Normal", normal_drawing_from(rng))
     monkeypatch.setattr(plain.np.random, "shuffle", shuffle_as_lean)
@@ -408,8 +628,18 @@ LEARNING_THRESHOLD = 500.0
 def test_learns_inverted_pendulum(path, workdir):
     extra = ["--compile"] if path == LEAN_PATH else []
     summary, _ = run_script(
-        path, "--env-id", "InvertedPendulum-v5", "--total-timesteps", "40960", "--num-steps", "1024",
-        "--seed", "1", *extra, cwd=workdir, timeout=900,
+        path,
+        "--env-id",
+        "InvertedPendulum-v5",
+        "--total-timesteps",
+        "40960",
+        "--num-steps",
+        "1024",
+        "--seed",
+        "1",
+        *extra,
+        cwd=workdir,
+        timeout=900,
     )
     assert summary["episodic_return"] >= LEARNING_THRESHOLD, summary
 

@@ -1,16 +1,31 @@
 """PQN pair on CartPole: the Q(lambda) returns against a plain reference loop, the epsilon
-schedule and how the lean loop follows it, time limits in the rollout, the update (lean against
-the plain script's step, compiled against eager), bad input, and learning."""
+schedule and how the lean loop follows it, acting (also with another network), time limits in
+the rollout, the update (lean against the plain script's step, compiled against eager), bad
+input, and learning."""
 
 import copy
 
 import numpy as np
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 import tyro
+from conftest import (
+    TINY,
+    TorchDrawingAsLean,
+    assert_same_run,
+    family,
+    load_script,
+    main_in_process,
+    recorded_runs,
+    run_script,
+    scripts,
+    short_env,
+    shuffle_as_lean,
+)
 
-from conftest import TINY, TorchDrawingAsLean, assert_same_run, family, load_script, main_in_process, recorded_runs, run_script, scripts, short_env, shuffle_as_lean
+import leanrl_utils
 
 PLAIN_PATH, LEAN_PATH = scripts("pqn.py")[0], scripts("pqn_torchcompile.py")[0]
 BOTH = [PLAIN_PATH, LEAN_PATH]
@@ -74,7 +89,7 @@ def test_returns_at_lambda_zero_and_one(lean):
     case = rewards, values, next_value, dones = rollout_case()
     env = 2  # never ends
     one_step = lean.make_returns(0.9, 0.0)(*case)
-    expected = rewards[:, env] + 0.9 * torch.cat([values[1:, env], next_value[env:env + 1]])
+    expected = rewards[:, env] + 0.9 * torch.cat([values[1:, env], next_value[env : env + 1]])
     torch.testing.assert_close(one_step[:, env], expected)
     monte_carlo = lean.make_returns(0.9, 1.0)(*case)
     discounts = 0.9 ** torch.arange(16.0)
@@ -136,11 +151,11 @@ def test_lean_policy_is_the_q_networks_argmax_and_max(lean, host):
     float32 default (LayerNorm's statistics as matmuls)."""
     torch.manual_seed(0)
     q_network = lean.QNetwork(4, 3)
-    params = {name: p.detach().unsqueeze(0) for name, p in q_network.named_parameters()}
-    policy = lean.make_policy(params, 1, host)
+    params = dict(leanrl_utils.stack_seeds([q_network]).items())  # one seed: a stack of one, as the script
+    policy = lean.make_policy(q_network, params, 1, host)
     if not host:  # as the loop calls a device's policy
-        policy = lean.host_arrays(policy, torch.device("cpu"))
-    optimizer = lean.RAdam(q_network.named_parameters(), torch.tensor(0.1))
+        policy = leanrl_utils.host_arrays(policy, torch.device("cpu"))
+    optimizer = leanrl_utils.RAdam(q_network.named_parameters(), torch.tensor(0.1))
     obs = torch.randn(1000, 4)
     for _ in range(2):
         with torch.no_grad():
@@ -150,6 +165,100 @@ def test_lean_policy_is_the_q_networks_argmax_and_max(lean, host):
         torch.testing.assert_close(greedy, q.argmax(dim=1), rtol=0, atol=0)
         assert len(greedy.unique()) > 1  # not one action everywhere
         optimizer.step({name: torch.randn_like(p) for name, p in q_network.named_parameters()})
+
+
+# ---------------------------------------------------------------- another network
+
+
+def network_like(lean, hidden, activation):
+    """QNetwork as a researcher might edit it: other widths (and LayerNorm widths), another
+    number of layers, another activation."""
+
+    class Edited(lean.QNetwork):
+        def __init__(self, n_obs, n_act, device=None):
+            super().__init__(n_obs, n_act, device)
+            layers = []
+            for n_in, n_out in zip((n_obs, *hidden), hidden):
+                layers += [nn.Linear(n_in, n_out, device=device), nn.LayerNorm(n_out, device=device), activation()]
+            self.network = nn.Sequential(*layers, nn.Linear(hidden[-1], n_act, device=device))
+
+    return Edited
+
+
+EDITS = {"wider-tanh": ((64,), nn.Tanh), "deeper-relu": ((32, 48, 16), nn.ReLU), "silu": ((120, 84), nn.SiLU)}
+
+
+@pytest.mark.parametrize("num_seeds", [1, 3])
+@pytest.mark.parametrize("host", [True, False], ids=["numpy", "torch"])
+@pytest.mark.parametrize("edit", EDITS)
+def test_an_edited_network_is_what_the_policies_act_with(lean, edit, host, num_seeds, monkeypatch):
+    """Edit QNetwork (in the script's namespace, as a researcher edits the class): the numpy and
+    the torch policy, for one seed and for stacked seeds, give each seed's observations the greedy
+    action and max Q of that seed's edited module, before and after the weights move. One seed in
+    torch runs the module's own ops: exactly its values. Else tolerance: torch's float32 default."""
+    monkeypatch.setattr(lean, "QNetwork", network_like(lean, *EDITS[edit]))
+    torch.manual_seed(0)
+    nets = [lean.QNetwork(4, 3) for _ in range(num_seeds)]
+    with torch.no_grad():  # LayerNorm starts with scale 1 and shift 0: move them
+        for norm in (m for net in nets for m in net.modules() if isinstance(m, nn.LayerNorm)):
+            for p in norm.parameters():
+                p.add_(torch.randn_like(p) * 0.3)
+    params = leanrl_utils.stack_seeds(nets)
+    policy = lean.make_policy(nets[0], dict(params.items()), num_seeds, host)
+    if not host:
+        policy = leanrl_utils.host_arrays(policy, torch.device("cpu"))
+    obs = torch.randn(num_seeds * 200, 4)
+    for _ in range(2):
+        with torch.no_grad():
+            q = torch.cat([net(x) for net, x in zip(nets, obs.chunk(num_seeds))])
+        greedy, value = (torch.from_numpy(x) for x in policy(obs.numpy()))
+        if not host and num_seeds == 1:
+            assert torch.equal(value, q.max(dim=1).values)
+        torch.testing.assert_close(value, q.max(dim=1).values)
+        torch.testing.assert_close(greedy, q.argmax(dim=1), rtol=0, atol=0)
+        assert len(greedy.unique()) > 1
+        with torch.no_grad():  # an optimizer step, in place on the stacked storage
+            for p in params.values():
+                p.mul_(1.5)
+
+
+@pytest.mark.parametrize("edit", ["wider-tanh", "deeper-relu"])
+def test_the_lean_script_trains_an_edited_network(lean, edit, monkeypatch, tmp_path):
+    """The whole script runs with the edited network (its numpy policy checks itself against the
+    module at start) and trains it: the weights it finishes with have the edited shapes and moved."""
+    monkeypatch.setattr(lean, "QNetwork", network_like(lean, *EDITS[edit]))
+    initial, final, stack_seeds, finish = {}, {}, lean.stack_seeds, leanrl_utils.Run.finish
+
+    def recording_stack_seeds(nets):
+        initial.update({k: v.clone() for k, v in nets[0].state_dict().items()})
+        return stack_seeds(nets)
+
+    def recording_finish(self, step, updates, networks, *rest, **fields):
+        final.update({k: v.clone() for k, v in networks["q_network"].state_dict().items()})
+        return finish(self, step, updates, networks, *rest, **fields)
+
+    monkeypatch.setattr(lean, "stack_seeds", recording_stack_seeds)
+    monkeypatch.setattr(leanrl_utils.Run, "finish", recording_finish)
+    assert main_in_process(lean, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
+    assert {k: v.shape for k, v in final.items()} == {k: v.shape for k, v in lean.QNetwork(4, 2).state_dict().items()}
+    assert all(not torch.equal(final[k], initial[k]) for k in final if k.endswith("weight"))
+
+
+def test_a_layer_numpy_cannot_follow_is_refused_in_one_line(lean, monkeypatch, tmp_path, capsys):
+    """nn.GELU has no numpy form: acting on a CPU refuses it in one line naming the layer, from
+    make_policy and from the whole script (exit 2, no traceback), never acting with another
+    function."""
+    monkeypatch.setattr(lean, "QNetwork", network_like(lean, (16,), nn.GELU))
+    net = lean.QNetwork(4, 2)
+    with pytest.raises(SystemExit) as stop:
+        lean.make_policy(net, dict(leanrl_utils.stack_seeds([net]).items()), 1, host=True)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "network.2" in err and "GELU" in err, err
+    assert main_in_process(lean, tmp_path=tmp_path, monkeypatch=monkeypatch) == 2
+    out, err = capsys.readouterr()
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "GELU" in errors[0] and "Traceback" not in err and out.strip() == "", err
 
 
 # ---------------------------------------------------------------- truncations
@@ -183,7 +292,7 @@ def test_time_limits_end_the_return_as_terminations_do(lean, monkeypatch, tmp_pa
     monkeypatch.setattr(lean, "make_returns", recording_make_returns)
     assert main_in_process(lean, "--env-id", SHORT_ID, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
     rewards, _, _, dones, returns = (torch.cat(x) for x in zip(*seen))
-    terminations, truncations = (torch.as_tensor(np.stack(x)[:len(dones)]) for x in zip(*steps))
+    terminations, truncations = (torch.as_tensor(np.stack(x)[: len(dones)]) for x in zip(*steps))
     assert terminations.any() and truncations.any()
     assert torch.equal(dones.bool(), terminations | truncations)
     torch.testing.assert_close(returns[dones.bool()], rewards[dones.bool()], rtol=0, atol=0)
@@ -204,6 +313,13 @@ def update_case(lean, seed=0, n=256):
     return lean.QNetwork(4, 2), batch, minibatches
 
 
+def one_seed_update(lean, q_network, lr, max_grad_norm, capturable=False):
+    """The script's update for one seed (a stack of one), called with one run's batch and rows."""
+    optimizer = leanrl_utils.RAdam(leanrl_utils.stack_seeds([q_network]).items(), lr, capturable=capturable)
+    update = lean.make_update(q_network, optimizer, max_grad_norm, 1)
+    return lambda obs, actions, returns, idx: update(obs[None], actions[None], returns[None], idx[None])[:, 0]
+
+
 def test_lean_update_is_the_plain_update(plain, lean):
     """From the same parameters and minibatches, the lean step (torch.func gradient, clipping on
     the gradients dict, the functional RAdam with a 0-d learning rate annealed in place) and the
@@ -215,7 +331,7 @@ def test_lean_update_is_the_plain_update(plain, lean):
     reference = plain.QNetwork(4, 2)
     reference.load_state_dict(q_network.state_dict())
     lr = torch.tensor(2.5e-4)
-    update = lean.make_update(q_network, lean.RAdam(q_network.named_parameters(), lr), max_grad_norm=1.0)
+    update = one_seed_update(lean, q_network, lr, max_grad_norm=1.0)
     optimizer = torch.optim.RAdam(reference.parameters(), lr=2.5e-4)
     clipped = 0
     for k, mb_inds in enumerate(minibatches):
@@ -244,13 +360,19 @@ def test_compiled_update_matches_eager(lean):
     q_compiled = copy.deepcopy(q_eager)
     initial = copy.deepcopy(q_eager.state_dict())
     lr_eager, lr_compiled = torch.tensor(2.5e-4), torch.tensor(2.5e-4)
-    eager = lean.make_update(q_eager, lean.RAdam(q_eager.named_parameters(), lr_eager), 10.0)
-    compiled = lean.make_update(q_compiled, lean.RAdam(q_compiled.named_parameters(), lr_compiled, capturable=True), 10.0)
-    compiled = torch.compile(compiled, fullgraph=True, options={"guard_filter_fn": lean.value_guards, "cpp_wrapper": True})
+    eager = one_seed_update(lean, q_eager, lr_eager, 10.0)
+    compiled = lean.make_update(
+        q_compiled, leanrl_utils.RAdam(leanrl_utils.stack_seeds([q_compiled]).items(), lr_compiled, capturable=True), 10.0, 1
+    )
+    compiled = torch.compile(
+        compiled, fullgraph=True, options={"guard_filter_fn": leanrl_utils.value_guards, "cpp_wrapper": True}
+    )
     for k, idx in enumerate(minibatches):
         lr_eager.fill_(2.5e-4 * (1 - k / 8))
         lr_compiled.fill_(2.5e-4 * (1 - k / 8))
-        torch.testing.assert_close(compiled(*batch, idx), eager(*batch, idx), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            compiled(*(x[None] for x in batch), idx[None])[:, 0], eager(*batch, idx), rtol=1e-5, atol=1e-6
+        )
     for name, value in q_eager.state_dict().items():
         torch.testing.assert_close(q_compiled.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
         if name.endswith("weight"):
@@ -304,7 +426,9 @@ def test_a_checkpoint_moves_across_the_pair(workdir):
     """The lean script's checkpoint loads into the plain script, and the other way round."""
     for source, target in ((LEAN_PATH, PLAIN_PATH), (PLAIN_PATH, LEAN_PATH)):
         summary, _ = run_script(source, *TINY["pqn"], "--save-model", cwd=workdir)
-        loaded, _ = run_script(target, "--total-timesteps", 0, "--load-model", summary["checkpoint"], "--eval-episodes", 2, cwd=workdir)
+        loaded, _ = run_script(
+            target, "--total-timesteps", 0, "--load-model", summary["checkpoint"], "--eval-episodes", 2, cwd=workdir
+        )
         assert loaded["eval_return"] > 0
 
 

@@ -1,16 +1,20 @@
 """PQN on Atari (envpool): the Q(lambda) returns against a plain reference loop with envpool's
 reset steps, the lean update against the plain script's step and compiled against eager, the
 masking of reset steps, the epsilon schedule, the two scripts' whole runs given the same
-random draws, and the bad-input lines. No learning test:
-Breakout needs hours here (the CartPole pair has one)."""
+random draws, a changed network (the lean script's forms of it follow the module), and the
+bad-input lines. No learning test: Breakout needs hours here (the CartPole pair has one)."""
 
 import copy
+import glob
+import json
 
 import numpy as np
 import pytest
 import torch
-
+import torch.nn as nn
 from conftest import TorchDrawingAsLean, assert_same_run, load_script, main_in_process, recorded_runs, scripts, shuffle_as_lean
+
+import leanrl_utils
 
 PLAIN_PATH, LEAN_PATH = scripts("pqn_atari_envpool.py")[0], scripts("pqn_atari_envpool_torchcompile.py")[0]
 BOTH = [PLAIN_PATH, LEAN_PATH]
@@ -118,7 +122,7 @@ def test_lean_update_is_the_plain_update(plain, lean):
     reference = plain.QNetwork(4)
     reference.load_state_dict(q_network.state_dict())
     lr = torch.tensor(2.5e-4)
-    update = lean.make_update(q_network, lean.RAdam(q_network.named_parameters(), lr), max_grad_norm=0.5)
+    update = lean.make_update(q_network, leanrl_utils.RAdam(q_network.named_parameters(), lr), max_grad_norm=0.5)
     optimizer = torch.optim.RAdam(reference.parameters(), lr=2.5e-4)
     b_obs, b_actions, b_returns, b_valid = batch = make_batch(64, seed=2)
     clipped = 0
@@ -152,12 +156,16 @@ def test_reset_steps_are_left_out_of_the_update(lean):
 
     def step(batch, idx):
         q_network = copy.deepcopy(init)
-        return lean.make_update(q_network, lean.RAdam(q_network.named_parameters(), 2.5e-4), 10.0)(*batch, idx), q_network
+        update = lean.make_update(q_network, leanrl_utils.RAdam(q_network.named_parameters(), 2.5e-4), 10.0)
+        return update(*batch, idx), q_network
 
     masked, masked_net = step(batch, torch.arange(32))
     garbage = [t.clone() for t in batch]
     garbage[2][~valid] = 1e3
-    for metrics, net in (step(batch[:-1] + (torch.ones(32),), torch.arange(32)[valid]), step(tuple(garbage), torch.arange(32))):
+    for metrics, net in (
+        step(batch[:-1] + (torch.ones(32),), torch.arange(32)[valid]),
+        step(tuple(garbage), torch.arange(32)),
+    ):
         torch.testing.assert_close(metrics, masked, rtol=1e-4, atol=1e-6)
         for (name, a), (_, b) in zip(masked_net.named_parameters(), net.named_parameters()):
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=name)
@@ -170,14 +178,115 @@ def test_compiled_update_matches_eager(lean):
     torch.manual_seed(0)
     q_eager = lean.QNetwork(4)
     q_compiled = copy.deepcopy(q_eager)
-    eager = lean.make_update(q_eager, lean.RAdam(q_eager.named_parameters(), torch.tensor(2.5e-4)), 10.0)
-    compiled = lean.make_update(q_compiled, lean.RAdam(q_compiled.named_parameters(), torch.tensor(2.5e-4), capturable=True), 10.0)
-    compiled = torch.compile(compiled, fullgraph=True, options={"guard_filter_fn": lean.value_guards})
+    eager = lean.make_update(q_eager, leanrl_utils.RAdam(q_eager.named_parameters(), torch.tensor(2.5e-4)), 10.0)
+    compiled = lean.make_update(
+        q_compiled, leanrl_utils.RAdam(q_compiled.named_parameters(), torch.tensor(2.5e-4), capturable=True), 10.0
+    )
+    compiled = torch.compile(compiled, fullgraph=True, options={"guard_filter_fn": leanrl_utils.value_guards})
     batch = make_batch(32, seed=3)
     for idx in torch.randperm(32).split(8):
         torch.testing.assert_close(compiled(*batch, idx), eager(*batch, idx), rtol=1e-4, atol=1e-6)
     for (name, a), (_, b) in zip(q_eager.named_parameters(), q_compiled.named_parameters()):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=name)
+
+
+# ---------------------------------------------------------------- a changed network
+
+
+def changed_network(lean, head_activation=nn.Tanh):
+    """lean.QNetwork as a researcher might change it: two convolutions of other widths, Tanh for
+    ReLU, a narrower head with one more layer. LayerNorm weights made random, so that reading
+    them in channels-last order is put to the test."""
+
+    class ChangedQNetwork(lean.QNetwork):
+        def __init__(self, n_act, device=None):
+            nn.Module.__init__(self)
+            self.network = nn.Sequential(
+                nn.Conv2d(4, 16, 8, stride=4, device=device), nn.LayerNorm([16, 20, 20], device=device), nn.Tanh(),
+                nn.Conv2d(16, 32, 4, stride=2, device=device), nn.LayerNorm([32, 9, 9], device=device), nn.Tanh(),
+                nn.Flatten(),
+                nn.Linear(32 * 9 * 9, 128, device=device), nn.LayerNorm(128, device=device), head_activation(),
+                nn.Linear(128, 64, device=device), nn.ReLU(),
+                nn.Linear(64, n_act, device=device),
+            )  # fmt: skip
+            with torch.no_grad():
+                for m in self.network:
+                    if isinstance(m, nn.LayerNorm):
+                        m.weight.normal_(1.0, 0.3)
+                        m.bias.normal_(0.0, 0.3)
+
+    return ChangedQNetwork
+
+
+def test_a_changed_network_acts_as_its_module(lean, monkeypatch, capsys):
+    """With the script's QNetwork changed, every form the lean script derives from it follows:
+    its channels-last forward computes what the module's own layers compute in order (the plain
+    script's `self.network(x / 255.0)`, tolerance 1e-5: convolutions sum in another order),
+    make_policy acts greedily on exactly the module's forward and returns its max Q, and the
+    stacked-seed form (`seeds_forward`, one seed: what the update's functional_call runs) is
+    exactly the module. The whole network has no numpy form: `numpy_forward` refuses its first
+    convolution in one line, which is why this script acts in torch on every device; the head,
+    in numpy, acts as the module's head for one seed and for stacked seeds (tolerance 1e-5), as
+    does its torch form (exactly for one seed, 1e-5 stacked), and refuses a layer it has no form
+    for (GELU) by name. (torch's vmap cannot run the channels-last forward over stacked seeds:
+    this script has no --num-seeds.)"""
+    monkeypatch.setattr(lean, "QNetwork", changed_network(lean))
+    torch.manual_seed(0)
+    q_network, other = lean.QNetwork(6), lean.QNetwork(6)
+    frames = torch.randint(0, 256, (5, 4, 84, 84), dtype=torch.uint8)
+    with torch.no_grad():
+        expected = q_network(frames)
+        torch.testing.assert_close(expected, q_network.network(frames / 255.0), rtol=1e-5, atol=1e-5)
+        explore = torch.tensor([True, False, False, True, False])
+        random_actions = torch.tensor([5, 4, 3, 2, 1])
+        actions, values = lean.make_policy(q_network)(frames, explore, random_actions)
+        assert torch.equal(actions, torch.where(explore, random_actions, expected.argmax(1)))
+        assert torch.equal(values, expected.max(1).values)
+
+        params = dict(leanrl_utils.stack_seeds([q_network]).items())
+        assert torch.equal(leanrl_utils.seeds_forward(q_network)(params, frames[None])[0], expected)
+
+        with pytest.raises(SystemExit) as exit_info:
+            leanrl_utils.numpy_forward(q_network, params)
+        assert exit_info.value.code == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "network.0 (Conv2d)" in errors[0], errors
+
+        head = q_network.network[7:]  # after Flatten; its layers keep their names ("7", ...)
+        features = [net.network[:7](frames / 255.0) for net in (q_network, other)]
+        for nets in ([q_network], [q_network, other]):
+            stacked = dict(leanrl_utils.stack_seeds(nets).items())
+            head_params = {name: p for name, p in stacked.items() if int(name.split(".")[1]) >= 7}
+            x = torch.stack(features[: len(nets)])
+            in_numpy = leanrl_utils.numpy_forward(head, head_params, prefix="network.")(x.numpy().copy())
+            in_torch = leanrl_utils.seeds_forward(head)({k.removeprefix("network."): p for k, p in head_params.items()}, x)
+            # One seed runs the module's own ops; stacked seeds run batched matmuls (another sum order).
+            exact = len(nets) == 1
+            for k, net in enumerate(nets):
+                expected = net.network[7:](features[k])
+                torch.testing.assert_close(torch.from_numpy(in_numpy[k]), expected, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(in_torch[k], expected, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-6)
+
+    gelu = changed_network(lean, head_activation=nn.GELU)(6)
+    params = {name: p for name, p in leanrl_utils.stack_seeds([gelu]).items() if int(name.split(".")[1]) >= 7}
+    with pytest.raises(SystemExit) as exit_info:
+        leanrl_utils.numpy_forward(gelu.network[7:], params, prefix="network.")
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "network.9 (GELU)" in errors[0], errors
+
+
+def test_a_changed_network_trains_and_saves(lean, monkeypatch, tmp_path, capsys):
+    """The lean script's whole run with its QNetwork changed: the update (functional_call of the
+    module) and the checkpoint follow the module, with its shapes and finite weights."""
+    monkeypatch.setattr(lean, "QNetwork", changed_network(lean))
+    assert main_in_process(lean, "--save-model", tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["updates"] == 8 and summary["total_steps"] == 64
+    (path,) = glob.glob(str(tmp_path / "runs" / "*" / "*.pt"))
+    saved = torch.load(path, weights_only=True)["model"]["q_network"]
+    assert saved["network.0.weight"].shape == (16, 4, 8, 8) and saved["network.10.weight"].shape == (64, 128)
+    assert all(v.isfinite().all() for v in saved.values())
 
 
 # ---------------------------------------------------------------- whole run

@@ -7,10 +7,23 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
-from tensordict import from_modules
+from conftest import (
+    TINY,
+    NumpyDrawingAsLean,
+    assert_one_line_error,
+    assert_same_run,
+    build_plain_targets_too,
+    load_script,
+    recorded_runs,
+    run_script,
+    scripts,
+    short_env,
+)
+from tensordict import from_module
 
-from conftest import TINY, NumpyDrawingAsLean, assert_one_line_error, assert_same_run, build_plain_targets_too, load_script, recorded_runs, run_script, scripts, short_env
+import leanrl_utils
 
 PAIR = scripts("sac_continuous_action*.py")
 PLAIN_PATH = scripts("sac_continuous_action.py")[0]
@@ -35,12 +48,18 @@ LOW, HIGH = np.array([-1.0, -3.0], np.float32), np.array([1.0, 1.0], np.float32)
 
 def filled_storage(lean):
     """A lean replay storage of random transitions, one in ten terminal."""
-    fields = {"obs": ((N_OBS,), torch.float32), "actions": ((N_ACT,), torch.float32), "rewards": ((), torch.float32),
-              "next_obs": ((N_OBS,), torch.float32), "dones": ((), torch.float32)}
+    fields = {
+        "obs": ((N_OBS,), torch.float32), "actions": ((N_ACT,), torch.float32), "rewards": ((), torch.float32),
+        "next_obs": ((N_OBS,), torch.float32), "dones": ((), torch.float32),
+    }  # fmt: skip
     storage = lean.ReplayBuffer(ROWS, fields, 1, "cpu").storage
     generator = torch.Generator().manual_seed(0)
     for key, value in storage.items():
-        value.copy_(torch.rand(value.shape, generator=generator) < 0.1 if key == "dones" else torch.randn(value.shape, generator=generator))
+        value.copy_(
+            torch.rand(value.shape, generator=generator) < 0.1
+            if key == "dones"
+            else torch.randn(value.shape, generator=generator)
+        )
     return storage
 
 
@@ -59,20 +78,22 @@ def lean_learner(lean, args, state, compiled=False):
     if not args.autotune:
         log_alpha.fill_(math.log(args.alpha))
     alpha = log_alpha.detach().exp()
-    q_params = from_modules(qf1, qf2).data
-    q_params[0].to_module(qf1)
-    q_params[1].to_module(qf2)
+    q_params = leanrl_utils.stack_seeds([qf1, qf2])
     target_params = q_params.clone()
     opt = dict(fused=not compiled)
-    q_optimizer = lean.Adam(q_params.flatten_keys(".").items(), args.q_lr, **opt)
-    actor_optimizer = lean.Adam(actor.named_parameters(), args.policy_lr, **opt)
-    a_optimizer = lean.Adam([("log_alpha", log_alpha)], args.q_lr, **opt) if args.autotune else None
+    q_optimizer = leanrl_utils.Adam(q_params.items(), args.q_lr, **opt)
+    actor_optimizer = leanrl_utils.Adam(actor.named_parameters(), args.policy_lr, **opt)
+    a_optimizer = leanrl_utils.Adam([("log_alpha", log_alpha)], args.q_lr, **opt) if args.autotune else None
     storage = filled_storage(lean)
-    update_critic, update_actor = lean.make_update(actor, target_params, alpha, q_optimizer, actor_optimizer, a_optimizer, storage, args.gamma)
+    update_critic, update_actor = lean.make_update(
+        actor, qf1, target_params, alpha, q_optimizer, actor_optimizer, a_optimizer, storage, args.gamma
+    )
     if compiled:
         # fullgraph: each update is one graph (a graph break raises), as main compiles it.
-        options = {"guard_filter_fn": lean.value_guards}
-        update_critic, update_actor = (torch.compile(f, fullgraph=True, options=options) for f in (update_critic, update_actor))
+        options = {"guard_filter_fn": leanrl_utils.value_guards}
+        update_critic, update_actor = (
+            torch.compile(f, fullgraph=True, options=options) for f in (update_critic, update_actor)
+        )
     nets = {"actor": actor, "qf1": qf1, "qf2": qf2, "log_alpha": log_alpha, "alpha": alpha}
     return nets, storage, update_critic, update_actor, lambda: target_params.lerp_(q_params, args.tau), target_params
 
@@ -135,7 +156,10 @@ def test_lean_update_is_the_plain_update(plain, lean, autotune):
         data_rewards, data_dones = storage["rewards"][idx], storage["dones"][idx]
         with torch.no_grad():
             next_state_actions, next_state_log_pi, _ = actor.get_action(data_next_obs)
-            min_qf_next_target = torch.min(qf1_target(data_next_obs, next_state_actions), qf2_target(data_next_obs, next_state_actions)) - alpha * next_state_log_pi
+            min_qf_next_target = (
+                torch.min(qf1_target(data_next_obs, next_state_actions), qf2_target(data_next_obs, next_state_actions))
+                - alpha * next_state_log_pi
+            )
             next_q_value = data_rewards.flatten() + (1 - data_dones.flatten()) * args.gamma * (min_qf_next_target).view(-1)
         qf1_a_values = qf1(data_obs, data_actions).view(-1)
         qf2_a_values = qf2(data_obs, data_actions).view(-1)
@@ -144,7 +168,7 @@ def test_lean_update_is_the_plain_update(plain, lean, autotune):
         q_optimizer.zero_grad()
         qf_loss.backward()
         q_optimizer.step()
-        expected = [qf1_a_values.mean(), qf2_a_values.mean(), qf1_loss, qf2_loss, qf_loss / 2.0]
+        expected = [qf_loss / 2.0, qf1_loss, qf2_loss, qf1_a_values.mean(), qf2_a_values.mean()]
         if updates % args.policy_frequency == 0:
             for _ in range(args.policy_frequency):
                 pi, log_pi, _ = actor.get_action(data_obs)
@@ -167,11 +191,15 @@ def test_lean_update_is_the_plain_update(plain, lean, autotune):
             target_param.data.copy_(args.tau * param.data + (1 - args.tau) * target_param.data)
 
         torch.testing.assert_close(lean_metrics, torch.stack(expected).detach().float(), rtol=1e-4, atol=1e-5)
-        plain_state = {f"{name}.{k}": v for name, net in (("actor", actor), ("qf1", qf1), ("qf2", qf2)) for k, v in net.state_dict().items()}
+        plain_state = {
+            f"{name}.{k}": v
+            for name, net in (("actor", actor), ("qf1", qf1), ("qf2", qf2))
+            for k, v in net.state_dict().items()
+        }
         plain_state.update(log_alpha=log_alpha.detach() if autotune else nets["log_alpha"], alpha=torch.tensor([alpha]))
         torch.testing.assert_close(state_of(nets), plain_state, rtol=1e-4, atol=1e-5)
         for i, target in enumerate((qf1_target, qf2_target)):
-            torch.testing.assert_close(dict(target_params[i].flatten_keys(".").items()), target.state_dict(), rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(dict(target_params[i].items()), target.state_dict(), rtol=1e-4, atol=1e-5)
     assert torch.isfinite(lean_metrics).all() and len(lean_metrics) == (8 if autotune else 7)
 
 
@@ -198,17 +226,17 @@ def test_compiled_update_matches_eager(lean, plain, inductor_fallback_random):
 
 
 def test_lean_networks_compute_what_the_plain_ones_do(plain, lean, monkeypatch):
-    """The batched twin critic equals the plain script's two SoftQNetworks on the same weights,
-    and the written-out log-probability of the lean actor equals the plain actor's
-    torch.distributions.Normal one for the same noise (values and gradients)."""
+    """The batched twin critic (lean SoftQNetwork's forward, vmapped) equals the plain script's two
+    SoftQNetworks on the same weights, and the written-out log-probability of the lean actor equals
+    the plain actor's torch.distributions.Normal one for the same noise (values and gradients)."""
     n_obs, n_act, batch = 5, 2, 64
     torch.manual_seed(0)
     qf1, qf2 = plain.SoftQNetwork(n_obs, n_act), plain.SoftQNetwork(n_obs, n_act)
     plain_actor, lean_actor = plain.Actor(n_obs, n_act, LOW, HIGH), lean.Actor(n_obs, n_act, LOW, HIGH)
     lean_actor.load_state_dict(plain_actor.state_dict())
-    q_params = dict(from_modules(qf1, qf2).data.flatten_keys(".").items())
+    q_params = dict(torch.stack([from_module(qf1).data, from_module(qf2).data]).flatten_keys(".").items())
     obs, act = torch.randn(batch, n_obs), torch.randn(batch, n_act)
-    q = lean.critic(q_params, torch.cat([obs, act], 1))
+    q = leanrl_utils.seeds_forward(lean.SoftQNetwork(n_obs, n_act, device="meta"), shared=(0, 1))(q_params, obs, act)
     torch.testing.assert_close(q[0], qf1(obs, act), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(q[1], qf2(obs, act), rtol=1e-5, atol=1e-6)
 
@@ -222,6 +250,124 @@ def test_lean_networks_compute_what_the_plain_ones_do(plain, lean, monkeypatch):
         (log_prob.sum() + action.sum()).backward()
         outputs.append((action, log_prob, mean, [p.grad.clone() for p in actor.parameters()]))
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- networks changed by a researcher
+
+# Another width, another activation, and maybe one more hidden layer, in both networks.
+CHANGES = {
+    "wide-tanh-extra-layer": (300, nn.Tanh, True),
+    "narrow-elu": (32, nn.ELU, False),
+    "leaky-extra-layer": (64, nn.LeakyReLU, True),
+}
+
+
+def changed_networks(lean, width, activation, extra_layer):
+    """A SoftQNetwork and an Actor (its get_action, the squashed sample, as in the script) with
+    other layers, as a researcher would edit them."""
+
+    def trunk(n_in, device):
+        hidden = [nn.Linear(width, width, device=device), activation()] if extra_layer else []
+        return nn.Sequential(nn.Linear(n_in, width, device=device), activation(), *hidden)
+
+    class SoftQNetwork(nn.Module):
+        def __init__(self, n_obs, n_act, device=None):
+            super().__init__()
+            self.trunk, self.head = trunk(n_obs + n_act, device), nn.Linear(width, 1, device=device)
+
+        def forward(self, x, a):
+            return self.head(self.trunk(torch.cat([x, a], 1)))
+
+    class Actor(lean.Actor):
+        def __init__(self, n_obs, n_act, action_low, action_high, device=None):
+            super().__init__(n_obs, n_act, action_low, action_high, device=device)
+            del self.fc1, self.fc2
+            self.trunk = trunk(n_obs, device)
+            self.fc_mean, self.fc_logstd = nn.Linear(width, n_act, device=device), nn.Linear(width, n_act, device=device)
+
+        def forward(self, x):
+            x = self.trunk(x)
+            log_std = torch.tanh(self.fc_logstd(x))
+            return self.fc_mean(x), lean.LOG_STD_MIN + 0.5 * (lean.LOG_STD_MAX - lean.LOG_STD_MIN) * (log_std + 1)
+
+    return SoftQNetwork, Actor
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_changed_networks_reach_the_update_and_the_policy(lean, monkeypatch, change):
+    """A researcher edits SoftQNetwork and Actor (script's names monkeypatched): the critic derived
+    from SoftQNetwork (vmapped forward over the two stacked Q-networks) computes each Q-network's
+    own forward, the critic step's metrics are those of the modules' forwards (targets and the
+    actor's next action included), the actor step's loss is the modules' loss, every parameter
+    (the extra layer's too) moves, and the policy acts as the actor module does. Tolerance as in
+    test_lean_networks_compute_what_the_plain_ones_do: a batched matmul sums in another order."""
+    qf_class, actor_class = changed_networks(lean, *CHANGES[change])
+    monkeypatch.setattr(lean, "SoftQNetwork", qf_class)
+    monkeypatch.setattr(lean, "Actor", actor_class)
+    args = lean.Args()
+    torch.manual_seed(0)
+    actor, qf1, qf2 = lean.Actor(N_OBS, N_ACT, LOW, HIGH), lean.SoftQNetwork(N_OBS, N_ACT), lean.SoftQNetwork(N_OBS, N_ACT)
+    state = copy.deepcopy(
+        {"actor": actor.state_dict(), "qf1": qf1.state_dict(), "qf2": qf2.state_dict(), "log_alpha": torch.zeros(1)}
+    )
+    nets, storage, update_critic, update_actor, _, _ = lean_learner(lean, args, state)
+    actor, qf1, qf2, alpha = nets["actor"], nets["qf1"], nets["qf2"], nets["alpha"]
+    modules = {"actor": actor, "qf1": qf1, "qf2": qf2}
+    assert isinstance(qf1, qf_class) and isinstance(actor, actor_class)
+
+    idx = batches(1)[0]
+    obs, act, next_obs = storage["obs"][idx], storage["actions"][idx], storage["next_obs"][idx]
+    q_params = dict(torch.stack([from_module(qf1).data, from_module(qf2).data]).flatten_keys(".").items())
+    with torch.no_grad():
+        q = leanrl_utils.seeds_forward(qf1, shared=(0, 1))(q_params, obs, act)
+        for i, qf in enumerate((qf1, qf2)):
+            torch.testing.assert_close(q[i], qf(obs, act), rtol=1e-5, atol=1e-6)
+
+        targets = copy.deepcopy(qf1), copy.deepcopy(qf2)  # the targets start as copies
+        torch.manual_seed(5)
+        next_actions, next_log_pi, _ = actor.get_action(next_obs)
+        min_target = torch.min(targets[0](next_obs, next_actions), targets[1](next_obs, next_actions)) - alpha * next_log_pi
+        next_q = storage["rewards"][idx] + (1 - storage["dones"][idx]) * args.gamma * min_target.view(-1)
+        q1, q2 = qf1(obs, act).view(-1), qf2(obs, act).view(-1)
+        losses = F.mse_loss(q1, next_q), F.mse_loss(q2, next_q)
+        expected = torch.stack([(losses[0] + losses[1]) / 2, *losses, q1.mean(), q2.mean()])
+        before = {f"{net}.{name}": p.clone() for net, module in modules.items() for name, p in module.named_parameters()}
+        torch.manual_seed(5)
+        torch.testing.assert_close(update_critic(idx), expected, rtol=1e-5, atol=1e-6)
+
+        torch.manual_seed(6)
+        pi, log_pi, _ = actor.get_action(obs)
+        expected_actor_loss = (alpha * log_pi - torch.min(qf1(obs, pi), qf2(obs, pi))).mean()
+        torch.manual_seed(6)
+        torch.testing.assert_close(update_actor(idx)[0], expected_actor_loss, rtol=1e-5, atol=1e-6)
+    after = {f"{net}.{name}": p for net, module in modules.items() for name, p in module.named_parameters()}
+    assert len(after) == len(before) and [name for name in before if torch.equal(before[name], after[name])] == []
+    assert ("qf1.trunk.2.weight" in before) == ("actor.trunk.2.weight" in before) == CHANGES[change][2]
+
+    # The policy: the actor's copy on views of its parameters, as main builds it.
+    actor_detach = lean.Actor(N_OBS, N_ACT, LOW, HIGH, device="meta")
+    from_module(actor).data.to_module(actor_detach)
+    policy = lean.make_policy(actor_detach)
+    with torch.no_grad():
+        torch.manual_seed(7)
+        action = policy(obs)
+        torch.manual_seed(7)
+        assert torch.equal(action, actor.get_action(obs)[0])
+
+
+def test_changed_networks_train_in_a_whole_run(lean, monkeypatch, tmp_path):
+    """main builds, trains and saves the edited networks: the checkpointed weights are theirs (the
+    extra layer's included), finite, and the losses are logged."""
+    monkeypatch.chdir(tmp_path)
+    qf_class, actor_class = changed_networks(lean, *CHANGES["wide-tanh-extra-layer"])
+    monkeypatch.setattr(lean, "SoftQNetwork", qf_class)
+    monkeypatch.setattr(lean, "Actor", actor_class)
+    args = dict(env_id="Pendulum-v1", total_timesteps=150, learning_starts=64, batch_size=32, buffer_size=1000)
+    ((logs, final),) = recorded_runs([lean], args, monkeypatch)
+    assert {"qf1.trunk.2.weight", "qf2.head.weight", "actor.trunk.2.weight"} <= final.keys()
+    assert not any(key.startswith(("qf1.fc", "actor.fc1", "actor.fc2")) for key in final)
+    assert all(torch.isfinite(v).all() for v in final.values())
+    assert all(math.isfinite(logs[-1][name]) for name in lean.METRICS)
 
 
 # ---------------------------------------------------------------- buffers and autoreset
@@ -250,9 +396,11 @@ def fill_buffer(module, env_id, num_envs, steps, workdir, monkeypatch):
     n_obs = math.prod(envs.single_observation_space.shape)
     n_act = math.prod(envs.single_action_space.shape)
     size = steps * num_envs
-    if hasattr(module, "Adam"):
-        fields = {"obs": ((n_obs,), torch.float32), "actions": ((n_act,), torch.float32), "rewards": ((), torch.float32),
-                  "next_obs": ((n_obs,), torch.float32), "dones": ((), torch.float32)}
+    if hasattr(module, "make_update"):
+        fields = {
+            "obs": ((n_obs,), torch.float32), "actions": ((n_act,), torch.float32), "rewards": ((), torch.float32),
+            "next_obs": ((n_obs,), torch.float32), "dones": ((), torch.float32),
+        }  # fmt: skip
         rb = module.ReplayBuffer(size, fields, 7 * num_envs, "cpu")
     else:
         rb = module.ReplayBuffer(size, n_obs, n_act)
@@ -267,7 +415,9 @@ def fill_buffer(module, env_id, num_envs, steps, workdir, monkeypatch):
         else:
             rb.add(obs, real_next_obs, actions, rewards, terminations)
         for i in np.flatnonzero(np.logical_or(terminations, truncations)):
-            ends.append((t, i, np.asarray(infos["final_obs"][i], np.float32), next_obs[i].astype(np.float32), bool(terminations[i])))
+            ends.append(
+                (t, i, np.asarray(infos["final_obs"][i], np.float32), next_obs[i].astype(np.float32), bool(terminations[i]))
+            )
         obs = next_obs
     envs.close()
     if hasattr(rb, "storage"):
@@ -343,7 +493,10 @@ def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path)
 BAD_INPUT = {
     "discrete action space": (["--env-id", "CartPole-v1"], ["Discrete", "continuous"]),
     "batch larger than buffer": (["--batch-size", "512", "--buffer-size", "256"], ["--batch-size", "--buffer-size"]),
-    "envs larger than buffer": (["--num-envs", "4", "--buffer-size", "2", "--batch-size", "2"], ["--num-envs", "--buffer-size"]),
+    "envs larger than buffer": (
+        ["--num-envs", "4", "--buffer-size", "2", "--batch-size", "2"],
+        ["--num-envs", "--buffer-size"],
+    ),
     "policy frequency 0": (["--policy-frequency", "0"], ["--policy-frequency"]),
 }
 

@@ -4,7 +4,6 @@ the summary line says so. The lean scripts are also checked for recompiles after
 import math
 
 import pytest
-
 from conftest import TINY, family, is_lean, run_script, scripts
 
 ALL = scripts("*.py")

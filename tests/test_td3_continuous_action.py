@@ -6,10 +6,23 @@ import copy
 import numpy as np
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
-from tensordict import TensorDict, from_module, from_modules
+from conftest import (
+    TINY,
+    NumpyDrawingAsLean,
+    assert_one_line_error,
+    assert_same_run,
+    build_plain_targets_too,
+    load_script,
+    recorded_runs,
+    run_script,
+    scripts,
+    short_env,
+)
+from tensordict import TensorDict, from_module
 
-from conftest import TINY, NumpyDrawingAsLean, assert_one_line_error, assert_same_run, build_plain_targets_too, load_script, recorded_runs, run_script, scripts, short_env
+import leanrl_utils
 
 PLAIN_PATH, LEAN_PATH = scripts("td3_continuous_action.py")[0], scripts("td3_continuous_action_torchcompile.py")[0]
 BOTH = [PLAIN_PATH, LEAN_PATH]
@@ -33,10 +46,64 @@ def module_of(path, plain, lean):
     return plain if path == PLAIN_PATH else lean
 
 
+class ChangedQNetwork(nn.Module):
+    """QNetwork as a researcher might change it: another width, Tanh for ReLU, an extra layer."""
+
+    def __init__(self, n_obs, n_act, device=None):
+        super().__init__()
+        self.fc1 = nn.Linear(n_obs + n_act, 64, device=device)
+        self.fc2 = nn.Linear(64, 64, device=device)
+        self.fc_extra = nn.Linear(64, 48, device=device)
+        self.fc3 = nn.Linear(48, 1, device=device)
+
+    def forward(self, x, a):
+        x = torch.cat([x, a], 1)
+        for layer in (self.fc1, self.fc2, self.fc_extra):
+            x = torch.tanh(layer(x))
+        return self.fc3(x)
+
+
+class ChangedActor(nn.Module):
+    """Actor changed the same way: another width, SiLU and a LayerNorm, an extra layer."""
+
+    def __init__(self, n_obs, n_act, action_low, action_high, device=None):
+        super().__init__()
+        self.fc1 = nn.Linear(n_obs, 96, device=device)
+        self.fc2 = nn.Linear(96, 64, device=device)
+        self.norm = nn.LayerNorm(64, device=device)
+        self.fc_extra = nn.Linear(64, 64, device=device)
+        self.fc_mu = nn.Linear(64, n_act, device=device)
+        low = torch.as_tensor(action_low, dtype=torch.float32, device=device)
+        high = torch.as_tensor(action_high, dtype=torch.float32, device=device)
+        self.register_buffer("action_scale", (high - low) / 2.0)
+        self.register_buffer("action_bias", (high + low) / 2.0)
+
+    def forward(self, x):
+        x = F.silu(self.norm(self.fc2(F.silu(self.fc1(x)))))
+        x = torch.tanh(self.fc_mu(F.silu(self.fc_extra(x))))
+        return x * self.action_scale + self.action_bias
+
+
+@pytest.fixture(params=["cleanrl", "changed"])
+def network(request, plain, lean, monkeypatch):
+    """The scripts' own networks, or both scripts' Actor and QNetwork replaced by changed ones:
+    whatever the lean script derives from the modules must follow."""
+    if request.param == "changed":
+        for module in (plain, lean):
+            monkeypatch.setattr(module, "Actor", ChangedActor)
+            monkeypatch.setattr(module, "QNetwork", ChangedQNetwork)
+    return request.param
+
+
 def make_buffer(module, buffer_size, n_obs, n_act, stage_rows):
     if module.__name__.endswith("_torchcompile"):
-        fields = {"obs": ((n_obs,), torch.float32), "actions": ((n_act,), torch.float32), "rewards": ((), torch.float32),
-                  "next_obs": ((n_obs,), torch.float32), "dones": ((), torch.float32)}
+        fields = {
+            "obs": ((n_obs,), torch.float32),
+            "actions": ((n_act,), torch.float32),
+            "rewards": ((), torch.float32),
+            "next_obs": ((n_obs,), torch.float32),
+            "dones": ((), torch.float32),
+        }
         return module.ReplayBuffer(buffer_size, fields, stage_rows, "cpu")
     return module.ReplayBuffer(buffer_size, n_obs, n_act)
 
@@ -72,20 +139,19 @@ def make_lean(lean, networks, storage, args, compiled):
     """The update as main builds it: stacked critics that qf1 and qf2 view, targets as one
     TensorDict, fused Adam eager and the single-tensor Adam compiled."""
     actor, qf1, qf2 = copy.deepcopy(networks)
-    q_stack = from_modules(qf1, qf2).data
-    for i, qf in enumerate((qf1, qf2)):
-        q_stack[i].to_module(qf)
-    params = TensorDict(actor=from_module(actor).data, qnet=q_stack)
+    q_params = leanrl_utils.stack_seeds([qf1, qf2])
+    params = TensorDict(actor=from_module(actor).data, qnet=q_params)
     target_params = params.clone()
-    target_actor = lean.Actor(N_OBS, N_ACT, LOW, HIGH, device="meta")
+    target_actor = type(actor)(N_OBS, N_ACT, LOW, HIGH, device="meta")
     target_params["actor"].to_module(target_actor)
-    q_optimizer = lean.Adam(q_stack.flatten_keys(".").items(), args.learning_rate, fused=not compiled)
-    actor_optimizer = lean.Adam(actor.named_parameters(), args.learning_rate, fused=not compiled)
-    q_target_params = dict(target_params["qnet"].flatten_keys(".").items())
-    updates = lean.make_update(actor, target_actor, q_optimizer, actor_optimizer, q_target_params, storage, BOUNDS, args)
+    q_optimizer = leanrl_utils.Adam(q_params.items(), args.learning_rate, fused=not compiled)
+    actor_optimizer = leanrl_utils.Adam(actor.named_parameters(), args.learning_rate, fused=not compiled)
+    q_target_params = dict(target_params["qnet"].items())
+    updates = lean.make_update(qf1, actor, target_actor, q_optimizer, actor_optimizer, q_target_params, storage, BOUNDS, args)
     if compiled:
         # fullgraph: each update is one graph (a graph break raises), as main compiles it.
-        updates = tuple(torch.compile(f, fullgraph=True, options={"guard_filter_fn": lean.value_guards}) for f in updates)
+        options = {"guard_filter_fn": leanrl_utils.value_guards}
+        updates = tuple(torch.compile(f, fullgraph=True, options=options) for f in updates)
     return (actor, qf1, qf2), (params, target_params), updates
 
 
@@ -116,9 +182,13 @@ def run_plain(plain, networks, storage, batches, args):
         torch.manual_seed(100 + k)
         data_obs, data_actions, data_rewards, data_next_obs, data_dones = (storage[key][idx] for key in KEYS)
         with torch.no_grad():
-            clipped_noise = (torch.randn_like(data_actions) * args.policy_noise).clamp(-args.noise_clip, args.noise_clip) * target_actor.action_scale
+            clipped_noise = (torch.randn_like(data_actions) * args.policy_noise).clamp(
+                -args.noise_clip, args.noise_clip
+            ) * target_actor.action_scale
             next_state_actions = (target_actor(data_next_obs) + clipped_noise).clamp(action_low, action_high)
-            min_qf_next_target = torch.min(qf1_target(data_next_obs, next_state_actions), qf2_target(data_next_obs, next_state_actions))
+            min_qf_next_target = torch.min(
+                qf1_target(data_next_obs, next_state_actions), qf2_target(data_next_obs, next_state_actions)
+            )
             next_q_value = data_rewards + (1 - data_dones) * args.gamma * min_qf_next_target.view(-1)
         qf1_a_values = qf1(data_obs, data_actions).view(-1)
         qf2_a_values = qf2(data_obs, data_actions).view(-1)
@@ -128,7 +198,7 @@ def run_plain(plain, networks, storage, batches, args):
         q_optimizer.zero_grad()
         qf_loss.backward()
         q_optimizer.step()
-        values = [qf1_a_values.mean(), qf2_a_values.mean(), qf1_loss, qf2_loss, qf_loss / 2.0]
+        values = [qf_loss / 2.0, qf1_loss, qf2_loss, qf1_a_values.mean(), qf2_a_values.mean()]  # lean.METRICS' order
         if k % 2:
             actor_loss = -qf1(data_obs, actor(data_obs)).mean()
             actor_optimizer.zero_grad()
@@ -142,12 +212,40 @@ def run_plain(plain, networks, storage, batches, args):
     return (actor, qf1, qf2), (target_actor, qf1_target, qf2_target), metrics
 
 
-def test_lean_update_is_the_plain_update(plain, lean):
+def test_derived_critics_and_policy_act_as_the_modules(lean, network):
+    """The lean forms of the networks are derived from the modules, never written out: with
+    CleanRL's networks and with changed ones (width, activation, an extra layer), the twin
+    critics on the stacked parameters give each QNetwork's own forward, the first critic the
+    first one's, also after an in-place step on the stack (as Adam's), and the policy without
+    noise gives the actor's action. Tolerance of the twin critics: rtol 1e-5, atol 1e-6 (a batched
+    matmul may sum in another order); the first critic runs the module's own ops: exact."""
+    torch.manual_seed(0)
+    actor, qf1, qf2 = lean.Actor(N_OBS, N_ACT, LOW, HIGH), lean.QNetwork(N_OBS, N_ACT), lean.QNetwork(N_OBS, N_ACT)
+    q_params = dict(leanrl_utils.stack_seeds([qf1, qf2]).items())
+    assert ("fc_extra.weight" in q_params) == (network == "changed")
+    critic, first_critic = lean.make_critics(qf1)
+    obs, actions = torch.randn(32, N_OBS), torch.rand(32, N_ACT) * 4 - 2
+    with torch.no_grad():
+        for _ in range(2):
+            expected = torch.stack([qf1(obs, actions), qf2(obs, actions)])
+            torch.testing.assert_close(critic(q_params, obs, actions), expected, rtol=1e-5, atol=1e-6)
+            assert torch.equal(first_critic(q_params, obs, actions), qf1(obs, actions))
+            for p in q_params.values():
+                p.mul_(1.5)
+    actor_detach = lean.Actor(N_OBS, N_ACT, LOW, HIGH, device="meta")
+    from_module(actor).data.to_module(actor_detach)
+    policy = lean.make_policy(actor_detach, 0.0, *BOUNDS)
+    with torch.no_grad():
+        assert torch.equal(policy(obs), actor(obs).clamp(*BOUNDS))
+
+
+def test_lean_update_is_the_plain_update(plain, lean, network):
     """From the same parameters, on the same batches with the same target-policy noise, four
     lean update steps (stacked critics, torch.func gradients, fused functional Adam, one lerp_
     for the targets) agree with the plain script's (two critic modules, loss.backward,
     optim.Adam, the Polyak loops): the metrics, every network and every target, the critics read
-    through the qf1 and qf2 modules that checkpoints save.
+    through the qf1 and qf2 modules that checkpoints save. With changed networks too: the lean
+    update's critics are derived from QNetwork.
 
     Tolerance: rtol 1e-5, atol 1e-6. The batched critics sum their matmuls in another order and
     fused Adam rounds differently from optim.Adam (differences seen: below 1e-6); a wrong
@@ -163,7 +261,9 @@ def test_lean_update_is_the_plain_update(plain, lean):
             torch.testing.assert_close(lean_net.state_dict()[key], value, rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
         lean_target = target_params["actor"] if name == "actor" else target_params["qnet"][int(name[-1]) - 1]
         for key, value in plain_target.state_dict().items():
-            torch.testing.assert_close(lean_target.flatten_keys(".")[key], value, rtol=1e-5, atol=1e-6, msg=f"target {name} {key}")
+            torch.testing.assert_close(
+                lean_target.flatten_keys(".")[key], value, rtol=1e-5, atol=1e-6, msg=f"target {name} {key}"
+            )
     # The steps moved every network and target (else the comparison above proves nothing).
     for before, after in zip(networks, plain_nets):
         assert not torch.equal(before.fc2.weight, after.fc2.weight)
@@ -269,8 +369,10 @@ def test_buffer_keeps_terminations_apart_and_wraps(path, plain, lean):
             np.testing.assert_allclose(data["next_obs"][k % 7], ended[0], atol=1e-6)
 
     small = make_buffer(module, 50, N_OBS, N_ACT, stage_rows=10)
-    rows = {k: np.random.default_rng(0).normal(size=(5, *shape)).astype(np.float32)
-            for k, shape in (("obs", (N_OBS,)), ("actions", (N_ACT,)), ("rewards", ()), ("next_obs", (N_OBS,)), ("dones", ()))}
+    rows = {
+        k: np.random.default_rng(0).normal(size=(5, *shape)).astype(np.float32)
+        for k, shape in (("obs", (N_OBS,)), ("actions", (N_ACT,)), ("rewards", ()), ("next_obs", (N_OBS,)), ("dones", ()))
+    }
     small.add(**rows)
     sample = small.sample(256) if hasattr(small, "storage") else small.sample(256, "cpu")
     if hasattr(small, "storage"):
@@ -296,7 +398,7 @@ def test_num_envs_steps_all_envs_and_updates_once_per_step(path, workdir):
 # ---------------------------------------------------------------- whole run
 
 
-def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path):
+def test_same_random_draws_make_the_same_run(plain, lean, network, monkeypatch, tmp_path):
     """Given the same random numbers, the two scripts make the same run (the lean one eager, which
     needs no compile): the same envs and seeds, initial weights, random first actions, stored
     transitions (3 time-limit truncations), minibatches, exploration noise, target-policy
@@ -307,7 +409,7 @@ def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path)
     Short, because longer runs drift apart by rounding alone: once a ReLU input near zero
     changes sign, the gradients of its weights change, and Adam (eps 1e-8) turns a tiny gradient
     into a whole step (here at step 134: the actor's weights move from 6e-8 to 2e-5 apart in
-    one update)."""
+    one update). With changed networks too: the lean critics follow QNetwork."""
     monkeypatch.chdir(tmp_path)
     args = dict(env_id=short_env("Pendulum-v1", 40), total_timesteps=120, learning_starts=64, batch_size=32, buffer_size=1000)
     monkeypatch.setattr(plain, "np", NumpyDrawingAsLean())
@@ -332,7 +434,15 @@ def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path)
         (["--total-timesteps", "-5"], ["--total-timesteps -5"]),
         (["--tau", "2"], ["--tau 2"]),
     ],
-    ids=["discrete-actions", "unknown-env", "batch-over-buffer", "envs-over-buffer", "policy-frequency-0", "negative-total", "tau-2"],
+    ids=[
+        "discrete-actions",
+        "unknown-env",
+        "batch-over-buffer",
+        "envs-over-buffer",
+        "policy-frequency-0",
+        "negative-total",
+        "tau-2",
+    ],
 )
 def test_bad_input_is_one_line(path, flags, words, workdir):
     _, proc = run_script(path, *flags, cwd=workdir, check=False)
@@ -348,8 +458,18 @@ def test_bad_input_is_one_line(path, flags, words, workdir):
 # seen on seeds 1, 2, 3: plain -152.6, -173.5, -222.4; lean -151.8, -175.7, -222.2. The
 # threshold leaves a margin of about 180 below the worst.
 LEARN_ARGS = [
-    "--env-id", "Pendulum-v1", "--total-timesteps", "8000", "--learning-starts", "1000",
-    "--batch-size", "128", "--learning-rate", "1e-3", "--buffer-size", "10000",
+    "--env-id",
+    "Pendulum-v1",
+    "--total-timesteps",
+    "8000",
+    "--learning-starts",
+    "1000",
+    "--batch-size",
+    "128",
+    "--learning-rate",
+    "1e-3",
+    "--buffer-size",
+    "10000",
 ]
 THRESHOLD = -400.0
 SEEDS = [1, 2, 3]  # every one passed; the suite runs the first, to stay within its budget

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import TINY, assert_one_line_error, family, run_script, scripts
 
 # The lean PPO scripts, which take torchrun (the other lean scripts are off-policy and do not).
@@ -27,7 +26,10 @@ def torchrun(script, *args, cwd, nproc=2, timeout=900, env=None):
     """`torchrun --standalone --nproc_per_node nproc script args`, one thread per rank."""
     return subprocess.run(
         [str(TORCHRUN), "--standalone", "--nproc_per_node", str(nproc), str(script), *map(str, args)],
-        cwd=cwd, capture_output=True, text=True, timeout=timeout,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", **(env or {})},
     )
 
@@ -53,7 +55,9 @@ def test_two_ranks_end_identical(script, compiled, workdir):
     assert len(lines) == 1, proc.stdout  # rank 0's only
     summary = lines[0]
     assert summary["world_size"] == 2 and summary["compile"] == compiled
-    single, _ = run_script(script, *TINY[family(script)], "--total-timesteps", "0", "--load-model", summary["checkpoint"], cwd=workdir)
+    single, _ = run_script(
+        script, *TINY[family(script)], "--total-timesteps", "0", "--load-model", summary["checkpoint"], cwd=workdir
+    )
     assert summary["batch_size"] == 2 * single["batch_size"], (summary, single)
     assert summary["total_steps"] == int(TWO_RANKS[family(script)][1]) and summary["updates"] == 8
     # Every rank's checksum of its final parameters, gathered by the script, is that of the
@@ -69,7 +73,7 @@ def test_two_ranks_end_identical(script, compiled, workdir):
 # world_size 1. An optimizer that records the gradients it is given stands in for Adam, and a
 # clipping norm of 1e9 leaves them as they are. Advantages are not normalized: each rank
 # normalizes its own minibatch, so the two gradients are equal only without it.
-WORKER = textwrap.dedent('''
+WORKER = textwrap.dedent("""
     import importlib.util, sys
     import torch, torch.distributed as dist
 
@@ -81,14 +85,14 @@ WORKER = textwrap.dedent('''
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     n = 8 * world_size
-    if script.ALGORITHM == "ppo_continuous_action":
+    if "continuous" in sys.argv[1]:
         agent = script.Agent(11, 3)
         batch = [torch.randn(n, 11, generator=g), torch.randn(n, 3, generator=g)]
     else:
         agent = script.Agent(4)
         batch = [torch.randint(0, 256, (n, 4, 84, 84), generator=g, dtype=torch.uint8), torch.randint(0, 4, (n,), generator=g)]
-    batch += [torch.randn(n, generator=g) - 2, torch.randn(n, generator=g), torch.randn(n, generator=g), torch.randn(n, generator=g)]
-    if script.ALGORITHM == "ppo_atari_envpool":
+    batch += [torch.randn(n, generator=g) - 2] + [torch.randn(n, generator=g) for _ in range(3)]
+    if "atari" in sys.argv[1]:
         batch.append(torch.ones(n))
     args = script.Args(norm_adv=False, max_grad_norm=1e9)
 
@@ -107,7 +111,7 @@ WORKER = textwrap.dedent('''
         torch.save({"all_reduced": shared.grads, "together": together.grads,
                     "all_reduced_metrics": shared_metrics, "together_metrics": together_metrics}, sys.argv[2])
     dist.destroy_process_group()
-''')
+""")
 
 
 @pytest.mark.parametrize("script", LEAN_PPO, ids=lambda p: p.stem)
@@ -132,8 +136,18 @@ def test_two_ranks_learn_inverted_pendulum(workdir):
 
     # The single-process test's 40,960 env steps in batches of 1024: 512 steps on each rank.
     proc = torchrun(
-        LEAN_PATH, "--env-id", "InvertedPendulum-v5", "--total-timesteps", "40960", "--num-steps", "512",
-        "--seed", "1", "--compile", cwd=workdir, timeout=1200,
+        LEAN_PATH,
+        "--env-id",
+        "InvertedPendulum-v5",
+        "--total-timesteps",
+        "40960",
+        "--num-steps",
+        "512",
+        "--seed",
+        "1",
+        "--compile",
+        cwd=workdir,
+        timeout=1200,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     (summary,) = summaries(proc)
@@ -177,7 +191,7 @@ def test_below_one_global_batch_under_torchrun(workdir):
 
 # Runs under torchrun: rank 1's parameters differ from rank 0's (or not), and the script's end
 # of run compares the ranks' checksums.
-DRIFT = textwrap.dedent('''
+DRIFT = textwrap.dedent("""
     import importlib.util, sys, types
     import torch, torch.distributed as dist
 
@@ -192,7 +206,7 @@ DRIFT = textwrap.dedent('''
     # one write for the whole line: the ranks share the pipe, and print writes the newline apart
     sys.stdout.write(f"rank {rank}: {len(set(fields['rank_checksums']))} {run.stop_reason}\\n")
     sys.stdout.flush()
-''')
+""")
 
 
 @pytest.mark.parametrize("drift", [0.0, 1e-6])
@@ -211,8 +225,14 @@ def test_drifted_ranks_stop_the_run(drift, workdir):
 
 def test_the_distributed_helpers_are_the_same_in_both_scripts():
     """One lean pattern: what torchrun needs is the same code in every script that has it."""
-    names = ["init_distributed", "error_line", "broadcast_parameters", "all_reduce_mean",
-             "gather_episodes", "finish_distributed"]
+    names = [
+        "init_distributed",
+        "error_line",
+        "broadcast_parameters",
+        "all_reduce_mean",
+        "gather_episodes",
+        "finish_distributed",
+    ]
     sources = [path.read_text() for path in LEAN_PPO]
 
     def body(text, name):

@@ -1,0 +1,229 @@
+"""leanrl_utils, tested once: atomic saves, the shorter vector-env step, the forms of a network
+derived from its nn.Module (stacked seeds in torch, acting in numpy) and their refusals, and the
+scripts on a platform without `resource` and `signal.pthread_sigmask` (Windows)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+from conftest import TINY, family, scripts
+
+import leanrl_utils
+
+ALL = scripts("*.py")
+
+
+def test_atomic_save_never_exposes_a_partial_file(tmp_path, monkeypatch):
+    """A save that dies half-way leaves the previous checkpoint whole at the final path."""
+    path = str(tmp_path / "model.pt")
+    leanrl_utils.atomic_save({"w": torch.ones(3)}, path)
+
+    def crash(obj, f, *args, **kwargs):
+        Path(f).write_bytes(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(leanrl_utils.torch, "save", crash)
+    with pytest.raises(OSError):
+        leanrl_utils.atomic_save({"w": torch.zeros(3)}, path)
+    monkeypatch.undo()
+    assert torch.equal(torch.load(path)["w"], torch.ones(3))
+
+
+@pytest.mark.parametrize("env_id", ["CartPole-v1", "InvertedPendulum-v5"])
+def test_same_step_envs_step_as_gymnasium_does(env_id):
+    """The shorter vector-env step: over episodes that end in terminations and in truncations (at
+    12 steps here), the same arrays as gymnasium's SyncVectorEnv under SAME_STEP autoreset, and the
+    same final observations and episode statistics."""
+
+    def thunk():
+        return gym.wrappers.RecordEpisodeStatistics(gym.make(env_id, max_episode_steps=12))
+
+    ours = leanrl_utils.SameStepEnvs([thunk] * 3)
+    theirs = gym.vector.SyncVectorEnv([thunk] * 3, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    for a, b in zip(ours.reset(seed=5)[0], theirs.reset(seed=5)[0]):
+        assert np.array_equal(a, b)
+    theirs.action_space.seed(5)
+    ends = truncations = 0
+    for t in range(600):
+        actions = theirs.action_space.sample()
+        mine, gyms = ours.step(actions), theirs.step(actions)
+        for x, y in zip(mine[:4], gyms[:4]):
+            assert x.dtype == y.dtype and np.array_equal(x, y), t
+        assert ("final_obs" in mine[4]) == ("final_obs" in gyms[4]), t
+        if "final_obs" in gyms[4]:
+            done = gyms[4]["_final_obs"]
+            assert np.array_equal(mine[4]["_final_obs"], done)
+            for i in np.flatnonzero(done):
+                assert np.array_equal(mine[4]["final_obs"][i], gyms[4]["final_obs"][i])
+            stats, expected = mine[4]["final_info"], gyms[4]["final_info"]
+            assert np.array_equal(stats["_episode"], expected["_episode"])
+            for key in ("r", "l"):
+                assert np.array_equal(stats["episode"][key][done], expected["episode"][key][done])
+            ends += done.sum()
+            truncations += gyms[3].sum()
+    assert ends - truncations >= 10 and truncations >= 10, (ends, truncations)
+    ours.close()
+    theirs.close()
+
+
+# ---------------------------------------------------------------- networks written once
+
+NETWORKS = {
+    "relu": lambda: nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 3)),
+    "tanh, extra layer": lambda: nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 9), nn.Tanh(), nn.Linear(9, 3)),
+    "layernorm": lambda: nn.Sequential(nn.Linear(5, 12), nn.LayerNorm(12), nn.ReLU(), nn.Linear(12, 3)),
+    "every activation": lambda: nn.Sequential(
+        nn.Linear(5, 8),
+        nn.SiLU(),
+        nn.Linear(8, 8),
+        nn.ELU(),
+        nn.Linear(8, 8),
+        nn.LeakyReLU(0.1),
+        nn.Linear(8, 8),
+        nn.Sigmoid(),
+        nn.Identity(),
+        nn.Linear(8, 3),
+    ),  # fmt: skip
+    "activation first": lambda: nn.Sequential(nn.ReLU(), nn.Linear(5, 3)),
+}
+
+
+def stacked(make, num_seeds):
+    """num_seeds networks of one architecture, each its own weights (LayerNorm scales too), stacked."""
+    nets = []
+    for k in range(num_seeds):
+        torch.manual_seed(k)
+        net = make()
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+        nets.append(net)
+    return nets, leanrl_utils.stack_seeds(nets)
+
+
+@pytest.mark.parametrize("num_seeds", [1, 3])
+@pytest.mark.parametrize("name", NETWORKS)
+def test_derived_forms_act_as_the_module_does(name, num_seeds):
+    """The stacked torch form and the numpy form, derived from the module, give each seed's rows
+    what that seed's module gives them, and see later changes to the weights at once."""
+    nets, params = stacked(NETWORKS[name], num_seeds)
+    x = torch.randn(num_seeds, 6, 5)
+    torch_form = leanrl_utils.seeds_forward(nets[0])
+    numpy_form = leanrl_utils.numpy_forward(nets[0], dict(params.items()))
+    for _ in range(2):
+        with torch.no_grad():
+            expected = torch.stack([net(x[k]) for k, net in enumerate(nets)])
+            torch.testing.assert_close(torch_form(dict(params.items()), x), expected, rtol=1e-5, atol=1e-6)
+        got = numpy_form(x.numpy().copy())
+        torch.testing.assert_close(torch.from_numpy(got), expected, rtol=1e-4, atol=1e-5)
+        assert np.array_equal(x.numpy(), x.numpy().copy())  # the caller's array is not written
+        with torch.no_grad():  # an optimizer step, in place on the stacked storage
+            for p in params.values():
+                p.mul_(1.5)
+
+
+def test_numpy_form_leaves_the_callers_array_alone():
+    nets, params = stacked(NETWORKS["activation first"], 1)
+    x = np.random.default_rng(0).standard_normal((1, 4, 5)).astype(np.float32)
+    before = x.copy()
+    leanrl_utils.numpy_forward(nets[0], dict(params.items()))(x)
+    assert np.array_equal(x, before)
+
+
+class Scaled(nn.Module):
+    """A forward that is more than its layers in order: the numpy form cannot follow it."""
+
+    def __init__(self):
+        super().__init__()
+        self.network = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 3))
+
+    def forward(self, x):
+        return self.network(x / 255.0)
+
+
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda: nn.Sequential(nn.Linear(5, 4), nn.GELU(), nn.Linear(4, 3)), ["layer 1", "GELU"]),
+        (lambda: nn.Sequential(nn.Linear(5, 4), nn.Softplus(), nn.Linear(4, 3)), ["layer 1", "Softplus"]),
+        (Scaled, ["Scaled.forward"]),
+    ],
+    ids=["gelu", "softplus", "forward"],
+)
+def test_what_numpy_cannot_follow_is_refused_in_one_line(make, words, capsys):
+    nets, params = stacked(make, 2)
+    with pytest.raises(SystemExit) as stop:
+        leanrl_utils.numpy_forward(nets[0], dict(params.items()))
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    for word in words:
+        assert word in err, err
+
+
+def test_stack_of_one_runs_the_modules_own_ops():
+    """One seed through the stacked torch form is bit for bit the module's forward."""
+    nets, params = stacked(NETWORKS["layernorm"], 1)
+    x = torch.randn(1, 32, 5)
+    with torch.no_grad():
+        assert torch.equal(leanrl_utils.seeds_forward(nets[0])(dict(params.items()), x)[0], nets[0](x[0]))
+
+
+# ---------------------------------------------------------------- other platforms
+
+# psutil is imported first: on Linux it reads `resource` itself, which its Windows build does not.
+NO_POSIX = "import psutil, sys, signal; sys.modules['resource'] = None; del signal.pthread_sigmask"
+
+
+def test_every_script_imports_without_posix_only_modules(tmp_path):
+    """On Windows there is no `resource` and no `signal.pthread_sigmask`: the module and every
+    script still import (nothing runs at import)."""
+    imports = "; ".join(
+        f"spec = importlib.util.spec_from_file_location({s.stem!r}, {str(s)!r}); "
+        f"spec.loader.exec_module(importlib.util.module_from_spec(spec))"
+        for s in ALL
+    )
+    code = f"{NO_POSIX}; import importlib.util, leanrl_utils; {imports}; print('imported', {len(ALL)})"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and f"imported {len(ALL)}" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("script", [s for s in ALL if family(s) == "dqn"], ids=lambda s: s.stem)
+def test_a_tiny_run_without_posix_only_modules(script, tmp_path):
+    """A whole tiny run there: it trains, saves and prints its summary (peak memory from psutil)."""
+    import json
+
+    from conftest import script_command
+
+    proc = subprocess.run(
+        [*script_command(script, before=NO_POSIX), *TINY[family(script)], "--save-model"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["updates"] > 0 and summary["checkpoint"] and summary["peak_rss_mb"] > 0
+
+
+class Critic(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Sequential(nn.Linear(5 + 2, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def forward(self, x, a):
+        return self.fc(torch.cat([x, a], 1))
+
+
+def test_stacked_networks_on_shared_inputs():
+    """Twin critics: each network of the stack on the same batch (`shared` inputs)."""
+    nets = [Critic(), Critic()]
+    params = leanrl_utils.stack_seeds(nets)
+    x, a = torch.randn(6, 5), torch.randn(6, 2)
+    got = leanrl_utils.seeds_forward(nets[0], shared=(0, 1))(dict(params.items()), x, a)
+    with torch.no_grad():
+        torch.testing.assert_close(got, torch.stack([net(x, a) for net in nets]), rtol=1e-5, atol=1e-6)
