@@ -33,8 +33,8 @@ from tensordict.nn import CudaGraphModule
 
 from leanrl_utils import (
     Adam,
+    ReplayBuffer,
     check_args,
-    check_memory,
     fail,
     finish_seeds,
     log_episodes,
@@ -222,55 +222,6 @@ def squashed_sample(mean, log_std, action_scale, action_bias):
     log_prob = log_prob.sum(1, keepdim=True)
     mean = torch.tanh(mean) * action_scale + action_bias
     return action, log_prob, mean
-
-
-class ReplayBuffer:
-    """Transitions in tensors allocated once on the training device (one per field; `empty`, so
-    pages are touched only as the buffer fills), written in place and gathered inside the update.
-    Steps are staged in host arrays and copied to the device in blocks (when the stage is full,
-    and before each update): on a CPU a torch call costs more than the copy it makes; on CUDA each
-    copy is a transfer."""
-
-    def __init__(self, buffer_size, fields, stage_rows, device):
-        # fields: name -> (shape of one row, dtype)
-        row_bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in fields.values())
-        check_memory(buffer_size * row_bytes, device, f"--buffer-size {buffer_size}")
-        self.storage = {
-            k: torch.empty(buffer_size, *shape, dtype=dtype, device=device) for k, (shape, dtype) in fields.items()
-        }
-        self.stage = {
-            k: np.zeros((stage_rows, *shape), dtype=torch.empty(0, dtype=dtype).numpy().dtype)
-            for k, (shape, dtype) in fields.items()
-        }
-        self.buffer_size, self.stage_rows, self.device = buffer_size, stage_rows, device
-        self.pos = self.size = self.pending = 0
-
-    def add(self, **rows):
-        n = len(next(iter(rows.values())))
-        for key, value in rows.items():
-            self.stage[key][self.pending : self.pending + n] = value
-        self.pending += n
-        if self.pending + n > self.stage_rows:
-            self.flush()
-
-    def flush(self):
-        """Copy the staged steps into the device storage, in at most two slices per field."""
-        n, pos = self.pending, self.pos
-        if n == 0:
-            return
-        first = min(n, self.buffer_size - pos)
-        for key, staged in self.stage.items():
-            dest = self.storage[key]
-            dest[pos : pos + first].copy_(torch.from_numpy(staged[:first]))
-            if first < n:
-                dest[: n - first].copy_(torch.from_numpy(staged[first:n]))
-        self.pos, self.size, self.pending = (pos + n) % self.buffer_size, min(self.size + n, self.buffer_size), 0
-
-    def sample(self, batch_size):
-        """Indices of a uniform batch, drawn on the device (no host sync; a CUDA graph of the
-        update takes them as its input)."""
-        self.flush()
-        return torch.randint(self.size, (batch_size,), device=self.device)
 
 
 def make_policy(actor):
