@@ -272,4 +272,6 @@ def test_no_script_writes_the_plumbing_again():
         defined |= {
             t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)
         }
-        assert defined & shared == set(), (script.name, defined & shared)
+        # The plain scripts keep their own host-side ReplayBuffer, CleanRL's code.
+        allowed = set() if is_lean(script) else {"ReplayBuffer"}
+        assert defined & shared <= allowed, (script.name, defined & shared)
