@@ -565,7 +565,7 @@ def seeds_forward(module, shared=()):
         if next(iter(params.values())).shape[0] > 1:
             in_dims = tuple(None if i in shared else 0 for i in range(len(inputs)))
             return torch.func.vmap(call, in_dims=(0, *in_dims))(dict(params), *inputs)
-        one = {name: p[0] for name, p in params.items()}
+        one = {name: p.squeeze(0) for name, p in params.items()}  # squeeze: the gradient keeps its layout
         out = call(one, *(x if i in shared else x[0] for i, x in enumerate(inputs)))
         return tuple(y.unsqueeze(0) for y in out) if isinstance(out, tuple) else out.unsqueeze(0)
 

@@ -7,7 +7,7 @@ the Nature CNN (Mnih et al., 2015) and the implementation details of CleanRL's
 frames stacked by 4, frame skip 4, up to 30 no-ops and FIRE at reset, episodic life and clipped
 rewards for learning; the reported returns are whole games, unclipped. It learns as the plain
 script `ppo_atari_envpool.py` does; what changes is where the time goes: acting runs on a
-detached copy of the weights without autograd, and the minibatch step (gather, forward,
+detached view of the weights without autograd, and the minibatch step (gather, forward,
 backward, clipping, Adam) is one function that compiles to one graph.
 
     python leanrl/ppo_atari_envpool_torchcompile.py
@@ -20,32 +20,43 @@ each minibatch step averages the gradients over all of them, and rank 0 alone pr
     torchrun --standalone --nproc_per_node 2 leanrl/ppo_atari_envpool_torchcompile.py --compile
 
 `--num-seeds N` trains seeds `seed` to `seed + N - 1` at once in one process: one envpool of
-N x num_envs games, the agents stacked and the update vmapped over them.
+N x num_envs games, the agents' weights stacked on a leading seed dimension (one seed is a stack
+of one), acting and the update vmapped over them.
 """
 
-import importlib.util
-import json
-import math
 import os
 import random
-import resource
-import signal
 import sys
-import time
-from collections import deque
-from dataclasses import dataclass, replace
-from datetime import timedelta
+from dataclasses import dataclass
 
-import gymnasium as gym
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import tqdm
 import tyro
-from tensordict import from_module
 from tensordict.nn import CudaGraphModule
-from torch.optim.adam import adam
+
+from leanrl_utils import (
+    Adam,
+    all_reduce_mean,
+    broadcast_parameters,
+    check_args,
+    check_memory,
+    envpool_envs,
+    error_line,
+    fail,
+    finish_distributed,
+    finish_seeds,
+    gather_episodes,
+    init_distributed,
+    log_episodes,
+    log_seeds,
+    seed_runs,
+    seeds_forward,
+    speed_toggles,
+    stack_seeds,
+    value_guards,
+)
 
 
 @dataclass
@@ -118,124 +129,11 @@ class Args:
     cudagraphs: bool = False
     """whether to replay the hot callables as CUDA graphs (needs a CUDA device)"""
     threads: int = 1
-    """intra-op threads on a CPU (see main: one wins beside any other process)"""
+    """intra-op threads on a CPU (one wins beside any other process)"""
     backend: str | None = None
     """the torch.distributed backend under torchrun: gloo or nccl (default: nccl on CUDA, gloo on a CPU)"""
     dist_timeout: float = 300.0
     """seconds a rank under torchrun waits for the others (to start, at each collective) before it stops"""
-
-
-ALGORITHM = "ppo_atari_envpool"
-
-
-class RecordEpisodeStatistics(gym.vector.VectorWrapper):
-    """Returns and lengths of whole games, summed over all lives, from the unclipped rewards.
-
-    With episodic life, envpool ends an episode at every lost life, but a game is over only when
-    `infos["terminated"]` says so (no lives left) or the step limit truncates it. The finished
-    games are reported as gymnasium's vector wrapper does: `infos["episode"]["r"]` where
-    `infos["_episode"]`. Steps count every call, envpool's reset steps included, as in CleanRL.
-    """
-
-    def __init__(self, env):
-        super().__init__(env)
-        self.episode_returns = np.zeros(self.num_envs, dtype=np.float64)
-        self.episode_lengths = np.zeros(self.num_envs, dtype=np.int64)
-
-    def reset(self, **kwargs):
-        obs, infos = self.env.reset(**kwargs)
-        self.episode_returns[:] = 0
-        self.episode_lengths[:] = 0
-        return obs, infos
-
-    def step(self, actions):
-        obs, rewards, terminations, truncations, infos = self.env.step(actions)
-        # infos["reward"] is the game's own reward, before envpool's clipping to its sign.
-        self.episode_returns += infos["reward"]
-        self.episode_lengths += 1
-        game_over = infos["terminated"].astype(bool) | truncations
-        infos["episode"] = {"r": self.episode_returns.copy(), "l": self.episode_lengths.copy()}
-        infos["_episode"] = game_over
-        self.episode_returns[game_over] = 0
-        self.episode_lengths[game_over] = 0
-        return obs, rewards, terminations, truncations, infos
-
-
-class RecordGameVideo(gym.vector.VectorWrapper):
-    """Videos of env 0's whole games, on the schedule of gymnasium's RecordVideo (games 0, 1, 8,
-    27, ..., 1000, 2000, ...). envpool renders env 0's full RGB screen (210x160) on request, which
-    costs one extra copy per step only while a game is being recorded."""
-
-    def __init__(self, env, video_folder, fps=15):
-        # Imported here: gymnasium's save_video module raises at import without moviepy, which
-        # only --capture-video needs.
-        from gymnasium.utils.save_video import capped_cubic_video_schedule
-
-        super().__init__(env)
-        self.schedule = capped_cubic_video_schedule
-        self.video_folder, self.fps = video_folder, fps
-        os.makedirs(video_folder, exist_ok=True)
-        self.game, self.frames = 0, []
-
-    def _capture(self):
-        if self.schedule(self.game):
-            self.frames.append(self.env.render()[0])
-
-    def _write(self):
-        from moviepy.video.io.ImageSequenceClip import ImageSequenceClip
-
-        if len(self.frames) > 1:
-            clip = ImageSequenceClip(self.frames, fps=self.fps)
-            clip.write_videofile(os.path.join(self.video_folder, f"rl-video-game-{self.game}.mp4"), logger=None)
-        self.frames = []
-
-    def reset(self, **kwargs):
-        obs, infos = self.env.reset(**kwargs)
-        self.frames = []
-        self._capture()
-        return obs, infos
-
-    def step(self, actions):
-        obs, rewards, terminations, truncations, infos = self.env.step(actions)
-        self._capture()
-        if infos["terminated"][0] or truncations[0]:
-            self._write()
-            self.game += 1
-        return obs, rewards, terminations, truncations, infos
-
-    def close(self, **kwargs):
-        self._write()
-        return self.env.close(**kwargs)
-
-
-def make_envs(env_id, num_envs, seed, capture_video=False, video_folder=None):
-    """An envpool batch of `num_envs` Atari games, or one clear line for what is missing."""
-    try:
-        import envpool
-    except ImportError:
-        fail("this script needs envpool for its Atari games: pip install 'leanrl[atari]'")
-    if env_id not in envpool.list_all_envs() or not hasattr(envpool.make_spec(env_id).config, "episodic_life"):
-        fail(f"unknown Atari id {env_id!r}: pass --env-id with an envpool Atari game, e.g. Breakout-v5 or Pong-v5")
-    if capture_video and importlib.util.find_spec("moviepy") is None:
-        fail("--capture-video needs moviepy: pip install 'leanrl[video]'")
-    envs = envpool.make(
-        env_id,
-        env_type="gymnasium",
-        num_envs=num_envs,
-        episodic_life=True,
-        reward_clip=True,
-        seed=seed,
-        **({"render_mode": "rgb_array"} if capture_video else {}),
-    )
-    if capture_video:
-        envs = RecordGameVideo(envs, video_folder)
-    return RecordEpisodeStatistics(envs)
-
-
-def seed_slice(infos, k, num_envs):
-    """Seed k's share of a vector env's infos: the values of its sub-envs, k * num_envs onwards."""
-    part = slice(k * num_envs, (k + 1) * num_envs)
-    return {key: seed_slice(value, k, num_envs) if isinstance(value, dict) else value[part] for key, value in infos.items()}
 
 
 def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
@@ -268,60 +166,15 @@ class Agent(nn.Module):
         return self.actor(hidden), self.critic(hidden).flatten()
 
 
-def stack_seeds(networks):
-    """The networks' parameters stacked on a leading seed dimension, as flat names -> tensors.
-    Each network's parameters become views of its slice, so that it acts, evaluates and saves
-    (a state_dict the single-seed script loads) with its seed's current weights."""
-    stacked = torch.stack([from_module(net).data for net in networks]).contiguous()
-    for k, net in enumerate(networks):
-        stacked[k].to_module(net)
-    return stacked.flatten_keys(".")
-
-
-class Adam:
-    """torch.optim.Adam's step as a call on tensors: torch's functional `adam` (the code that
-    `optim.Adam.step()` runs) on state kept here. In a compiled update it traces into the one
-    graph, where `optimizer.step()` would break it (and, on CUDA, compile once per optimizer).
-
-    `params`: (name, parameter) pairs; their detached views are updated in place, so the modules
-    see each step. `lr` may be a 0-d tensor annealed in place. `fused`: one kernel for all the
-    tensors, for eager updates. `capturable` (CUDA): the step counts stay on the device, so a
-    step never syncs and can be captured in a CUDA graph."""
-
-    def __init__(self, params, lr, eps=1e-8, fused=False, capturable=False):
-        self.params = {name: p.detach() for name, p in params}
-        self.exp_avgs = [torch.zeros_like(p) for p in self.params.values()]
-        self.exp_avg_sqs = [torch.zeros_like(p) for p in self.params.values()]
-        self.steps = [torch.zeros((), device=p.device) for p in self.params.values()]
-        self.lr, self.eps, self.fused, self.capturable = lr, eps, fused, capturable
-
-    @torch.no_grad()
-    def step(self, grads):
-        # torch.func may return a gradient in the layout its backward made (transposed for a
-        # weight used as `w.mT`); the fused kernel reads it as if laid out like the weight.
-        grads = [grads[name].contiguous() for name in self.params]
-        adam(
-            list(self.params.values()), grads, self.exp_avgs, self.exp_avg_sqs, [], self.steps,
-            foreach=False, fused=self.fused or None, capturable=self.capturable,
-            amsgrad=False, beta1=0.9, beta2=0.999, lr=self.lr, weight_decay=0.0, eps=self.eps, maximize=False,
-        )
-
-
 def make_policy(agent, params, num_seeds):
     """Acting: for frames [seeds * envs, 4, 84, 84] (seed k's envs in block k), one forward of each
-    seed's shared trunk and both heads, without autograd. One seed: `agent` (a detached view of
-    the trained agent); stacked seeds (`stack_seeds`): `params` through `agent`'s structure,
-    each block with its own seed's weights (torch.func.vmap)."""
-    if num_seeds == 1:
-        forward = agent
-    else:
-        vmapped = torch.func.vmap(lambda p, x: torch.func.functional_call(agent, p, (x,)))
-
-        def forward(obs):
-            return tuple(x.flatten(0, 1) for x in vmapped(params, obs.view(num_seeds, -1, *obs.shape[1:])))
+    seed's trunk and both heads with its own weights, without autograd. `params`: the agents'
+    parameters stacked on a leading seed dimension (`stack_seeds`), read through `agent`'s
+    structure (`seeds_forward`: vmapped over stacked seeds; one seed runs the module itself)."""
+    forward = seeds_forward(agent)
 
     def policy(obs):
-        logits, value = forward(obs)
+        logits, value = (x.flatten(0, 1) for x in forward(params, obs.view(num_seeds, -1, *obs.shape[1:])))
         # Gumbel-max: argmax(logits + Gumbel noise) is a sample of Categorical(logits), in
         # elementwise ops that compile, where torch.multinomial would break the graph.
         gumbel = -(-torch.rand_like(logits).log()).log()
@@ -355,27 +208,20 @@ def make_gae(gamma, gae_lambda):
     return gae
 
 
-def make_update(agent, optimizer, args, world_size=1, num_seeds=1):
-    """One minibatch step as a pure function of tensors, so that torch.compile sees all of it as
-    one graph (`fullgraph=True`): the minibatch gather and the uint8-to-float division, forward,
-    backward (`torch.func.grad`), gradient clipping and Adam. Written with `loss.backward()` and
-    `optim.Adam.step()`, the step breaks into several graphs with eager glue between them
-    (dynamo traces neither `zero_grad` nor `Tensor.backward`). Returns the minibatch's METRICS
-    as one tensor that stays on the device.
+def make_update(agent, optimizer, args, world_size=1, num_seeds=None):
+    """One minibatch step on the rows `idx` of the rollout: the gather and the uint8-to-float
+    division, forward, backward (torch.func), `clip_grad_norm_`'s arithmetic and `Adam`, one
+    function that compiles to one graph (`fullgraph=True`; with `loss.backward()` and
+    `optim.Adam.step()` it broke into several, dynamo tracing neither). Returns METRICS on the
+    device. `valid` is 0 at envpool's reset steps (see the rollout in `main`): every mean runs
+    over the other steps only, the advantage normalization included.
 
-    `valid` is 0 at envpool's reset steps (see the rollout in `main`): every mean runs over the
-    other steps only, the advantage normalization included.
-
-    With `world_size` > 1 (under torchrun) the gradients and the metrics are averaged over the
-    ranks before clipping, as one flat buffer in one `all_reduce` inside the same graph (dynamo
-    traces it as a functional collective), so every rank takes the same Adam step and reads the
-    same `--target-kl` and non-finite checks. Averaging the ranks' minibatch means weighs each
-    rank's minibatch alike, whatever its count of reset steps; advantages are normalized per
-    rank, as in CleanRL's multi-GPU PPO.
-
-    With `num_seeds` > 1 the parameters are stacked seeds (`stack_seeds`), the rollout tensors
-    [seeds, batch, ...] and `idx` [seeds, minibatch]: torch.func.vmap maps the gradient and its
-    clipping over the seeds, and one Adam step (elementwise) updates them all."""
+    `world_size` > 1 (torchrun): gradients and metrics averaged over the ranks by one `all_reduce`
+    in the graph, so every rank takes the same step and reads the same `--target-kl` and
+    non-finite checks (each rank's minibatch weighs alike, whatever its count of reset steps;
+    advantages normalized per rank, as CleanRL's multi-GPU PPO). `num_seeds`: stacked seeds
+    [seeds, ...] (parameters, rollout, `idx`, metrics), the gradient and its clipping vmapped, a
+    stack of one the agent's own ops (as `seeds_forward`); None: one agent, unstacked."""
     clip_coef, ent_coef, vf_coef = args.clip_coef, args.ent_coef, args.vf_coef
 
     def loss_fn(params, mb_obs, mb_actions, mb_logprobs, mb_advantages, mb_returns, mb_values, mb_valid):
@@ -421,113 +267,29 @@ def make_update(agent, optimizer, args, world_size=1, num_seeds=1):
         grads, metrics = grad_fn(params, *minibatch)
         if world_size > 1:
             grads, metrics = all_reduce_mean(grads, metrics, world_size)
-        # nn.utils.clip_grad_norm_, on the gradients before the step
+        # nn.utils.clip_grad_norm_
         grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
         clip = (args.max_grad_norm / (grad_norm + 1e-6)).clamp(max=1.0)
         return {name: g * clip for name, g in grads.items()}, metrics
 
-    if num_seeds > 1:
-        clipped_grads = torch.func.vmap(clipped_grads)
+    def stack_of_one(params, *batch_and_idx):
+        grads, metrics = clipped_grads({name: p[0] for name, p in params.items()}, *(x[0] for x in batch_and_idx))
+        return {name: g.unsqueeze(0) for name, g in grads.items()}, metrics.unsqueeze(0)
+
+    seeds_grads = clipped_grads if num_seeds is None else stack_of_one if num_seeds == 1 else torch.func.vmap(clipped_grads)
 
     def update(*batch_and_idx):
-        grads, metrics = clipped_grads(optimizer.params, *batch_and_idx)
+        grads, metrics = seeds_grads(optimizer.params, *batch_and_idx)
         optimizer.step(grads)
         return metrics
 
     return update
 
 
-METRICS = ["losses/value_loss", "losses/policy_loss", "losses/entropy", "losses/old_approx_kl", "losses/approx_kl", "losses/clipfrac"]
+METRICS = [f"losses/{name}" for name in ("value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac")]
 CLIPFRAC, APPROX_KL = METRICS.index("losses/clipfrac"), METRICS.index("losses/approx_kl")
-
-
-def init_distributed(args):
-    """This process's (rank, world size, device). Under torchrun (WORLD_SIZE > 1 in the
-    environment) it joins the process group, gloo on a CPU and nccl on CUDA unless --backend
-    says otherwise, each rank on the GPU of its LOCAL_RANK; a single process makes no group.
-    Every collective waits at most --dist-timeout, so a rank that stops (Ctrl-C, a crash) never
-    leaves the others waiting for ever."""
-    cuda = torch.cuda.is_available() and args.cuda
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    backend = args.backend or ("nccl" if cuda else "gloo")
-    if args.backend is not None or world_size > 1:
-        if backend not in ("gloo", "nccl"):
-            fail(f"--backend {backend} is not supported: use gloo (CPU or CUDA) or nccl (CUDA)")
-        if not dist.is_available() or not getattr(dist, f"is_{backend}_available")():
-            fail(f"this torch build has no {backend} backend: use --backend {'gloo' if backend == 'nccl' else 'nccl'}")
-        if backend == "nccl" and not cuda:
-            fail("--backend nccl needs a CUDA device (and no --no-cuda): use --backend gloo on a CPU")
-    if world_size == 1:
-        return 0, 1, torch.device("cuda" if cuda else "cpu")
-    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cpu")
-    if cuda:
-        if backend == "nccl" and local_rank >= torch.cuda.device_count():
-            fail(f"rank {rank} has no GPU of its own ({torch.cuda.device_count()} visible; nccl needs one per process): start at most that many per node, or pass --backend gloo")
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    try:
-        dist.init_process_group(backend, timeout=timedelta(seconds=args.dist_timeout))
-    except Exception as e:  # the store, the backend and the rendezvous raise many types
-        fail(f"rank {rank} could not join the {world_size} processes ({error_line(e)}): check that every node runs the same torchrun command and reaches --rdzv-endpoint")
-    return rank, world_size, device
-
-
-def error_line(e):
-    """A torch.distributed error in one short line: gloo and c10d open theirs with the C++ source
-    location and go on for lines."""
-    line = (str(e).strip().splitlines() or [""])[0]
-    if line.startswith("[") and "] " in line:
-        line = line[line.index("] ") + 2:]
-    return f"{type(e).__name__}: {line[:160]}"
-
-
-def broadcast_parameters(params):
-    """Rank 0's parameters to every rank, as one flat buffer: the same initial weights whatever
-    each rank seeded or loaded."""
-    params = [p.detach() for p in params]
-    flat = torch.cat([p.reshape(-1) for p in params])
-    dist.broadcast(flat, src=0)
-    for p, new in zip(params, flat.split([p.numel() for p in params])):
-        p.copy_(new.view_as(p))
-
-
-def all_reduce_mean(grads, metrics, world_size):
-    """The mean over the ranks of the gradients (name -> tensor) and of the metrics, through one
-    flat buffer and one `all_reduce`: one collective per step, not one per parameter."""
-    flat = torch.cat([g.reshape(-1) for g in grads.values()] + [metrics])
-    dist.all_reduce(flat)
-    flat = flat / world_size
-    *parts, metrics = flat.split([g.numel() for g in grads.values()] + [metrics.numel()])
-    return {name: part.view(g.shape) for (name, g), part in zip(grads.items(), parts)}, metrics
-
-
-def gather_episodes(episodes, rank, world_size):
-    """Every rank's finished episodes of one iteration, (step, return, length) from Run.finished,
-    on rank 0 in step order (an empty list on the other ranks). note: a host sync, once per
-    iteration."""
-    gathered = [None] * world_size if rank == 0 else None
-    dist.gather_object(episodes, gathered, dst=0)
-    return sorted(e for rank_episodes in gathered for e in rank_episodes) if rank == 0 else []
-
-
-def finish_distributed(run, params, world_size, lost):
-    """At the end of a torchrun run: every rank's parameter checksum (rank 0's checkpoint must be
-    every rank's model; ranks that drifted apart stop the run with exit 1), then leave the group.
-    After Ctrl-C or a lost rank the others may be gone, so no collective is tried."""
-    fields = {}
-    if not run.interrupted and not lost:
-        flat = torch.cat([p.detach().reshape(-1) for p in params]).double()
-        # A position-weighted sum: a change in any one parameter, or two swapped, changes it.
-        checksum = (flat * torch.arange(1, flat.numel() + 1, device=flat.device, dtype=flat.dtype)).sum().reshape(1)
-        checksums = [torch.empty_like(checksum) for _ in range(world_size)]
-        dist.all_gather(checksums, checksum)
-        checksums = [float(c) for c in checksums]
-        fields["rank_checksums"] = [repr(c) for c in checksums]
-        if len(set(checksums)) > 1 and run.stop_reason is None:
-            run.stop_reason = f"the ranks' parameters differ at the end (checksums {checksums}): the gradient all-reduce did not keep them identical"
-    dist.destroy_process_group()
-    return fields
+# What each seed logs per iteration: the last minibatch's losses, clipfrac over all minibatches.
+STATS = [*METRICS, "losses/explained_variance"]
 
 
 def explained_variance(y_pred, y_true, valid):
@@ -548,367 +310,62 @@ def evaluate(agent, args, run_name, device):
     `eval_episodes` games. Episodic life stays on, so that envpool presses FIRE after each lost
     life (a greedy policy may never do it); a game that never ends is cut by envpool's own limit
     of 27,000 steps (108,000 frames, 30 minutes of play)."""
-    eval_envs = make_envs(args.env_id, 1, args.seed + 10_000, args.capture_video, f"videos/{run_name}-eval")
+    eval_envs = envpool_envs(args.env_id, 1, args.seed + 10_000, args.capture_video, f"videos/{run_name}-eval")
     returns = []
     obs, _ = eval_envs.reset()
     with torch.no_grad():
         while len(returns) < args.eval_episodes:
-            logits = agent.actor(agent.network(torch.as_tensor(obs, device=device) / 255.0))
+            logits, _ = agent(torch.as_tensor(obs, device=device))
             obs, _, _, _, infos = eval_envs.step(logits.argmax(1).cpu().numpy())
             returns.extend(infos["episode"]["r"][infos["_episode"]].tolist())
     eval_envs.close()
     return float(np.mean(returns[: args.eval_episodes]))
 
 
-# The guards torch.compile checks before each call of a compiled function (its guard_filter_fn):
-# those that tell one value from another (tensor shapes, dtypes and devices, constants, object
-# identities and types, grad mode, the function's own closures), so that an update built again
-# with other tensors or hyper-parameters in the same process compiles anew. Dropped: the checks
-# that modules, hooks, containers and library functions are as they were, which these scripts
-# never change. DQN's compiled update: 188 us a call with every guard, 165 with these, 148 with none.
-VALUE_GUARDS = {"TENSOR_MATCH", "CONSTANT_MATCH", "EQUALS_MATCH", "ID_MATCH", "TYPE_MATCH", "GRAD_MODE"}
-
-
-def value_guards(entries):
-    return [entry.guard_type in VALUE_GUARDS or (entry.guard_type == "CLOSURE_MATCH" and not entry.is_global) for entry in entries]
-
-
-# ---------------------------------------------------------------- RUN
-# The same block in every LeanRL script: argument rules, the run's folder and metrics, signals,
-# checkpoints and the summary line. Nothing in it is specific to one algorithm.
-
-# One rule per flag, the same in every script that has the flag.
-COUNTS = ("num_seeds", "threads", "num_envs", "num_steps", "num_minibatches", "update_epochs", "batch_size", "buffer_size",
-          "train_frequency", "target_network_frequency", "policy_frequency")
-RULES = {
-    "seed": (lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)"),
-    **{k: (lambda v: v >= 0, "0 or more") for k in ("total_timesteps", "learning_starts", "eval_episodes")},
-    **{k: (lambda v: v >= 1, "1 or more") for k in COUNTS},
-    **{k: (lambda v: math.isfinite(v) and v > 0, "a finite number > 0") for k in ("learning_rate", "q_lr", "policy_lr", "max_grad_norm")},
-    **{k: (lambda v: 0 < v <= 1, "a number in (0, 1]") for k in ("gamma", "tau")},
-    **{k: (lambda v: 0 <= v <= 1, "a number in [0, 1]") for k in ("gae_lambda", "start_e", "end_e", "exploration_fraction")},
-    **{k: (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
-       for k in ("clip_coef", "ent_coef", "vf_coef", "alpha", "policy_noise", "noise_clip", "exploration_noise")},
-    "target_kl": (lambda v: v is None or (math.isfinite(v) and v > 0), "a finite number > 0"),
-}
-
-
-def fail(message):
-    """Bad input ends the run with one line on stderr and exit status 2, never a traceback."""
-    sys.stderr.write(f"error: {message}\n")  # one write: ranks sharing a stderr cannot split it
-    sys.exit(2)
-
-
-def check_args(args):
-    for name, value in vars(args).items():
-        if name in RULES and not RULES[name][0](value):
-            fail(f"--{name.replace('_', '-')} {value} is out of range: use {RULES[name][1]}")
-    if args.total_timesteps == 0 and not args.load_model:
-        fail("--total-timesteps 0 trains nothing: give a budget, or --load-model to evaluate a checkpoint")
-
-
-def check_memory(nbytes, device, what):
-    """One line, before any work, for a buffer that will not fit in the device's free memory."""
-    try:
-        if device.type == "cuda":
-            free = torch.cuda.mem_get_info(device)[0]
-        else:
-            free = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return
-    if nbytes > free:
-        fail(f"{what} needs {nbytes / 2**30:.1f} GiB and {device.type} has {free / 2**30:.1f} GiB free: make it smaller")
-
-
-def atomic_save(obj, path):
-    """Write then rename: a crash mid-save leaves the previous file whole, never a broken one."""
-    torch.save(obj, path + ".tmp")
-    os.replace(path + ".tmp", path)
-    return path
-
-
-def load_checkpoint(path, networks, env_id):
-    """Load a checkpoint of either script of the pair into `networks` (name -> module). Tensors
-    and plain types only (weights_only=True): a checkpoint cannot run code."""
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch.load raises many types for a file that is no checkpoint
-        fail(f"cannot load {path!r} ({type(e).__name__}): pass a file written by --save-model of {ALGORITHM}")
-    saved = checkpoint.get("algorithm") if isinstance(checkpoint, dict) else None
-    if saved != ALGORITHM:
-        fail(f"{path!r} is not a {ALGORITHM} checkpoint ({saved or 'unknown'}): pass one saved by {ALGORITHM}")
-    try:
-        for name, network in networks.items():
-            network.load_state_dict(checkpoint["model"][name])
-    except (KeyError, RuntimeError):
-        hint = f"pass --env-id {checkpoint['env_id']}" if checkpoint["env_id"] != env_id else "use the sizes it was trained with"
-        fail(f"{path!r} holds {ALGORITHM} networks for {checkpoint['env_id']} of other sizes: {hint}")
-
-
-class Run:
-    """Around the training loop: the folder runs/<run_name> (TensorBoard events when tensorboard
-    is installed, curve.csv, the checkpoint), wandb with --track, the progress bar, steps/s after
-    warm-up, SIGTERM handled as Ctrl-C, and the one-line JSON summary. Under torchrun only rank 0
-    writes, prints, tracks, saves and evaluates.
-
-    --num-seeds: one Run per seed, each with its own folder, checkpoint and wandb run (one group);
-    the first is the `lead` of the others: it alone handles SIGTERM, shows the bar and prints the
-    summary, all three for every seed, and finishes last."""
-
-    def __init__(self, args, total_steps, warmup_updates=3, rank=0, lead=None):
-        self.args, self.warmup_updates, self.main = args, warmup_updates, rank == 0
-        self.lead, self.seeds, self.eval_return = lead or self, [self], None
-        if lead:
-            lead.seeds.append(self)
-        self.time = lead.time if lead else int(time.time())
-        self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{self.time}"
-        self.dir = f"runs/{self.name}"
-        self.wandb = self.writer = self.last_good = self.stop_reason = self.warmup_s = self.last_sps = None
-        self.interrupted, self.returns, self.points = False, deque(maxlen=10), []
-        self.step = self.updates = self.warm_step = 0
-        self.total_steps, self.bar = total_steps, None
-        self.start = self.warm_time = time.perf_counter()
-        if not lead:
-            signal.signal(signal.SIGTERM, self.on_sigterm)
-            sys.excepthook = self.on_uncaught
-        if not self.main:
-            self.curve = open(os.devnull, "w")
-            return
-        if args.track:
-            try:
-                import wandb
-            except ImportError:
-                fail("--track needs wandb: pip install wandb (or the extra leanrl[track])")
-            self.wandb = wandb
-        try:
-            os.makedirs(self.dir, exist_ok=True)
-            self.curve = open(f"{self.dir}/curve.csv", "w")
-        except OSError as e:
-            fail(f"cannot write {self.dir} ({e.strerror}): run from a folder you can write to")
-        self.curve.write("step,seconds,episodic_return\n")
-        try:
-            from tensorboard.compat.proto.summary_pb2 import Summary
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer, self.summary = SummaryWriter(self.dir), Summary
-            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
-        except ImportError:
-            if not lead:
-                print("notice: tensorboard is not installed; metrics go to --track only (pip install tensorboard)", file=sys.stderr)
-        if self.wandb:
-            # Several runs live at once only with reinit="create_new" (wandb 0.19.10 or later).
-            seeds = {"group": self.lead.name, "reinit": "create_new"} if getattr(args, "num_seeds", 1) > 1 else {}
-            self.wandb = self.wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=self.name, save_code=True, **seeds)
-
-    def on_sigterm(self, signum, frame):
-        """Schedulers stop jobs with SIGTERM: end the run as Ctrl-C does, saving first."""
-        self.interrupted = signal.SIGTERM
-        raise KeyboardInterrupt
-
-    def on_uncaught(self, kind, value, traceback):
-        """Ctrl-C or SIGTERM outside the training loop (while envs and networks are made): the
-        summary and exit status of an interrupted run, not a traceback. One that lands inside an
-        import may come as the cause of another error: Python 3.11 wraps what a `__set_name__`
-        raises in a RuntimeError, and building a torch optimizer imports torch._dynamo, which
-        runs many."""
-        interrupt = value
-        while interrupt is not None and not isinstance(interrupt, KeyboardInterrupt):
-            interrupt = interrupt.__cause__
-        if interrupt is None:
-            return sys.__excepthook__(kind, value, traceback)
-        self.interrupted = self.interrupted or signal.SIGINT
-        try:
-            self.finish(self.step, self.updates, {}, None)
-        except SystemExit as e:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(e.code)
-
-    def scalars(self, step, values):
-        """One point of the charts at `step`, written at the next log point (`write`)."""
-        self.points.append((step, values))
-
-    def write(self):
-        """The points since the last log point, handed to TensorBoard and wandb at once.
-        TensorBoard's writer thread takes the GIL for each event it is handed: one at a time (a
-        finished episode every few steps in lean PQN) cost 8% of its steps/s, in one go 3%."""
-        # Ctrl-C and SIGTERM wait until the writers are done: a KeyboardInterrupt inside
-        # TensorBoard's writer can leave it so that close() hangs (tensorboard 2.21).
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        try:
-            for step, values in self.points:
-                if self.writer:
-                    # One event holds all the values: add_scalar writes one per value, and each
-                    # costs about 40 us on a CPU (10 metrics at every log point, 2 per episode).
-                    summary = self.summary(value=[self.summary.Value(tag=k, simple_value=float(v)) for k, v in values.items()])
-                    self.writer.file_writer.add_summary(summary, step)
-                if self.wandb:
-                    self.wandb.log(values, step=step)
-            self.points.clear()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-
-    def episodes(self, step, infos):
-        """CleanRL's charts, one point per finished episode."""
-        for _, r, n in self.finished(step, infos):
-            self.record(step, r, n)
-
-    @staticmethod
-    def finished(step, infos):
-        """The episodes that ended in `infos`, as (step, return, length), from gymnasium's episode
-        statistics (in infos["final_info"] under SAME_STEP autoreset)."""
-        info = infos.get("final_info", infos)
-        if "episode" not in info:
-            return []
-        done = info["_episode"]
-        return [(step, float(r), int(n)) for r, n in zip(info["episode"]["r"][done], info["episode"]["l"][done])]
-
-    def record(self, step, r, n):
-        self.returns.append(r)
-        self.scalars(step, {"charts/episodic_return": r, "charts/episodic_length": n})
-
-    def seed_returns(self):
-        """Each seed's mean return over its last 10 episodes (None before its first), in seed order."""
-        return [float(np.mean(run.returns)) if run.returns else None for run in self.seeds]
-
-    def sps(self):
-        if self.warmup_s is None or self.step <= self.warm_step:
-            return None
-        return (self.step - self.warm_step) / (time.perf_counter() - self.warm_time)
-
-    def log(self, step, updates, metrics, networks):
-        """A log point: steps/s (from the first log point with `warmup_updates` updates done, when
-        every compiled callable has run), bar, curve, metrics, and the weights as last good if
-        they are finite (with --save-model)."""
-        self.bar = self.bar or tqdm.tqdm(total=self.total_steps * len(self.seeds), file=sys.stderr, disable=not self.main or self.lead is not self)
-        self.bar.update((step - self.step) * len(self.seeds))
-        self.step, self.updates, now = step, updates, time.perf_counter()
-        if self.warmup_s is None and updates >= self.warmup_updates:
-            self.warmup_s, self.warm_step, self.warm_time = now - self.start, step, now
-        # The summary's steps/s is the last log point's: closing envs and saving are not training.
-        sps = self.last_sps = self.sps()
-        mean_return = np.mean(self.returns) if self.returns else float("nan")
-        means = [m for m in self.seed_returns() if m is not None]
-        self.bar.set_description(f"sps={(sps or float('nan')) * len(self.seeds):6.0f} return={np.mean(means) if means else float('nan'):8.2f}")
-        if self.returns:
-            self.curve.write(f"{step},{now - self.start:.3f},{mean_return:.3f}\n")
-        self.scalars(step, {**metrics, "charts/SPS": sps or 0.0})
-        self.write()
-        if self.args.save_model:
-            state = {name: {k: v.detach().clone() for k, v in net.state_dict().items()} for name, net in networks.items()}
-            if torch.stack([v.isfinite().all() for sd in state.values() for v in sd.values()]).all():
-                self.last_good = state
-
-    def finish(self, step, updates, networks, evaluate, **fields):
-        """Save, evaluate, close and print the summary. Exit 1 after a non-finite loss, 130 after
-        Ctrl-C, 143 after SIGTERM; a checkpoint is only ever saved from finite weights."""
-        self.step, self.updates = step, updates
-        end_sps, wall_s = self.last_sps, time.perf_counter() - self.start
-        # A second Ctrl-C or SIGTERM must not break the save or the summary (evaluation aside).
-        handlers = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if self.bar:
-            self.bar.close()
-        if self.interrupted and self.main and self.lead is self:
-            print(f"notice: interrupted at step {self.step}; saving what there is", file=sys.stderr)
-        checkpoint, state = None, self.last_good
-        if self.args.save_model and self.main and networks:
-            current = {name: net.state_dict() for name, net in networks.items()}
-            if self.stop_reason is None and all(v.isfinite().all() for sd in current.values() for v in sd.values()):
-                state = current
-            if state is None:
-                print("notice: the weights were never finite at a log point; no checkpoint saved", file=sys.stderr)
-            else:
-                # A copy: a seed's weights are a view of all seeds' storage, which torch.save writes whole.
-                model = {name: {k: v.detach().to("cpu", copy=True) for k, v in sd.items()} for name, sd in state.items()}
-                saved = {"algorithm": ALGORITHM, "env_id": self.args.env_id, "args": vars(self.args), "model": model}
-                checkpoint = atomic_save(saved, f"{self.dir}/{self.args.exp_name}.pt")
-                print(f"notice: model saved to {checkpoint}", file=sys.stderr)
-        eval_return = None
-        if self.args.eval_episodes > 0 and self.main and self.stop_reason is None and not (self.interrupted or self.lead.interrupted):
-            signal.signal(signal.SIGINT, handlers[0])
-            signal.signal(signal.SIGTERM, handlers[1])
-            try:
-                eval_return = evaluate()
-            except KeyboardInterrupt:
-                self.interrupted = self.interrupted or signal.SIGINT
-                self.lead.interrupted = self.lead.interrupted or self.interrupted
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        self.curve.close()
-        self.write()
-        if self.writer:
-            self.writer.close()
-        if self.wandb:
-            self.wandb.finish()
-        self.eval_return = eval_return
-        if self.lead is not self:
-            signal.signal(signal.SIGINT, handlers[0])
-            signal.signal(signal.SIGTERM, handlers[1])
-            return
-        returns, evals = self.seed_returns(), [run.eval_return for run in self.seeds]
-        found = [m for m in returns if m is not None]
-        per_seed = {"episodic_returns": [None if m is None else round(m, 3) for m in returns],
-                    "eval_returns": [None if m is None else round(m, 3) for m in evals]}
-        summary = {
-            "script": os.path.basename(__file__), "env_id": self.args.env_id, "seed": self.args.seed, "num_seeds": len(self.seeds),
-            "compile": getattr(self.args, "compile", False), "cudagraphs": False, **fields,
-            "total_steps": self.step, "updates": self.updates, "wall_s": wall_s, "sps": end_sps and end_sps * len(self.seeds),
-            "warmup_s": self.warmup_s, "episodic_return": np.mean(found) if found else None,
-            **(per_seed if len(self.seeds) > 1 else {}),
-            "eval_return": np.mean(evals) if None not in evals else None, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "interrupted": bool(self.interrupted), "checkpoint": checkpoint, "run_dir": self.dir,
-        }
-        # Strict JSON: non-finite numbers become null.
-        summary = {k: (round(float(v), 3) if math.isfinite(v) else None) if isinstance(v, (float, np.floating)) else v for k, v in summary.items()}
-        if self.main:
-            print(json.dumps(summary), flush=True)
-        if self.stop_reason:
-            print(f"error: {self.stop_reason}", file=sys.stderr)
-            sys.exit(1)
-        if self.interrupted:
-            sys.exit(143 if self.interrupted == signal.SIGTERM else 130)
-
-
 def main(args: Args):
     check_args(args)
     rank, world_size, device = init_distributed(args)
-    if device.type == "cpu":
-        # One intra-op thread unless --threads says more (2-core CPU, --compile, steps/s with 1
-        # and 2 threads): idle, DQN 5,847 and 4,191, PPO 2,139 and 1,995, Atari PQN 196 and 273,
-        # Atari PPO 295 and 380; beside one busy process, DQN 4,916 and 1,543, PPO 1,999 and
-        # 1,541, Atari PQN 177 and 110, Atari PPO 299 and 168. More threads pay only for the Atari
-        # convolutions on an idle machine, and stall every script beside anything else.
-        torch.set_num_threads(args.threads)
+    _, cudagraphs = speed_toggles(args, rank)
     # --num-envs is per rank: a batch is num_envs * num_steps per rank, all ranks' together per update.
     batch_size = args.num_envs * args.num_steps
     global_batch = batch_size * world_size
     if args.total_timesteps < global_batch and not (args.total_timesteps == 0 and args.load_model):
         per = f" * {world_size} ranks" if world_size > 1 else ""
-        fail(f"--total-timesteps {args.total_timesteps} is less than one batch (num_envs * num_steps{per} = {global_batch}): give at least {global_batch}")
+        fail(
+            f"--total-timesteps {args.total_timesteps} is less than one batch "
+            f"(num_envs * num_steps{per} = {global_batch}): give at least {global_batch}"
+        )
     if batch_size % args.num_minibatches:
-        fail(f"--num-minibatches {args.num_minibatches} does not divide the batch of {batch_size} (num_envs * num_steps): pass a divisor of it")
+        fail(
+            f"--num-minibatches {args.num_minibatches} does not divide the batch of {batch_size} "
+            "(num_envs * num_steps): pass a divisor of it"
+        )
     minibatch_size = batch_size // args.num_minibatches
     if args.norm_adv and minibatch_size < 2:
-        fail(f"--num-minibatches {args.num_minibatches} makes minibatches of 1, whose advantages cannot be normalized: use at most {batch_size // 2}, or --no-norm-adv")
+        fail(
+            f"--num-minibatches {args.num_minibatches} makes minibatches of 1, whose advantages cannot be normalized: "
+            f"use at most {batch_size // 2}, or --no-norm-adv"
+        )
     num_seeds, num_iterations = args.num_seeds, args.total_timesteps // global_batch
     if num_seeds > 1:
         if world_size > 1:
             fail("--num-seeds runs several agents in one process: under torchrun give --num-seeds 1")
         if args.target_kl is not None:
-            fail("--target-kl stops each seed's epochs at a different point, which one stacked update cannot: drop it or use --num-seeds 1")
-        if args.seed + num_seeds > 2**32:
-            fail(f"--seed {args.seed} + --num-seeds {num_seeds} passes 2**32: use a smaller seed")
+            fail(
+                "--target-kl stops each seed's epochs at a different point, which one stacked update cannot: "
+                "drop it or use --num-seeds 1"
+            )
         # One line before num_seeds x num_envs games are made: per step and sub-env the uint8
         # frames and ten 4-byte numbers, in the rollout and again in the seed-major batch; per
-        # seed its weights, gradients and Adam moments (4 copies of 18 actions' Nature CNN), and
-        # a minibatch's activations (72k floats a frame: the float frames and each layer before
-        # and after its ReLU) with as much again for their gradients; up to 2 MiB per game
-        # (envpool's Breakout: about 1.2 MiB).
+        # seed 4 copies of its weights (with gradients and Adam's moments) and a minibatch's
+        # activations (72k floats a frame) and their gradients; up to 2 MiB per game.
         row_bytes = 2 * (4 * 84 * 84 + 4 * 10)
-        seed_bytes = 4 * 4 * sum(p.numel() for p in Agent(18, device="meta").parameters()) + minibatch_size * 2 * 4 * 72_000
-        check_memory(num_seeds * (batch_size * row_bytes + seed_bytes + args.num_envs * 2**21), device, f"--num-seeds {num_seeds} with --num-envs {args.num_envs}")
-    run = Run(args, num_iterations * global_batch, rank=rank)
-    runs = [run] + [Run(replace(args, seed=args.seed + k), run.total_steps, lead=run) for k in range(1, num_seeds)]
+        weights = sum(p.numel() for p in Agent(18, device="meta").parameters())
+        seed_bytes = 4 * 4 * weights + minibatch_size * 2 * 4 * 72_000
+        nbytes = num_seeds * (batch_size * row_bytes + seed_bytes + args.num_envs * 2**21)
+        check_memory(nbytes, device, f"--num-seeds {num_seeds} with --num-envs {args.num_envs}")
+    runs = seed_runs(args, num_iterations * global_batch, __file__, rank=rank)
+    run = runs[0]
 
     # Each rank its own random streams (envs, exploration noise, minibatch order); the initial
     # weights come from rank 0.
@@ -916,65 +373,51 @@ def main(args: Args):
     np.random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
     torch.backends.cudnn.deterministic = args.torch_deterministic
-    cudagraphs = args.cudagraphs and device.type == "cuda"
-    if args.cudagraphs and not cudagraphs and rank == 0:
-        print("notice: --cudagraphs needs a CUDA device; running without CUDA graphs", file=sys.stderr)
     if cudagraphs and world_size > 1 and dist.get_backend() != "nccl":
         # gloo runs its collectives on the host, where a CUDA graph cannot capture them.
         cudagraphs = False
         if rank == 0:
             print("notice: --cudagraphs under torchrun needs --backend nccl; running without CUDA graphs", file=sys.stderr)
     if num_seeds > 1 and device.type == "cpu":
-        # vmap runs the seeds' convolutions as grouped ones, which oneDNN runs 1.8x slower per
-        # seed than one seed's channels-last convolutions (2-core CPU, --compile, 4 seeds: 0.66x
-        # the steps/s of one seed, the update 87% of the time).
-        print("notice: on a CPU, --num-seeds runs Atari seeds slower than one at a time (grouped convolutions); it is meant for a GPU", file=sys.stderr)
+        # vmap runs the seeds' convolutions as grouped ones, which oneDNN runs slower per seed
+        # than one seed's channels-last convolutions.
+        print(
+            "notice: on a CPU, --num-seeds runs Atari seeds slower than one at a time (grouped convolutions); "
+            "it is meant for a GPU",
+            file=sys.stderr,
+        )
 
     # Sub-env k * num_envs + i is env i of seed k. envpool seeds its env j with `seed + j`, so
     # that env gets seed + k * num_envs + i, not the seed + i of a single run of seed + k: the
     # seeds are independent streams, not bit-identical to single runs.
     num_envs = num_seeds * args.num_envs
-    envs = make_envs(args.env_id, num_envs, args.seed + rank, args.capture_video and rank == 0, f"videos/{run.name}")
+    envs = envpool_envs(args.env_id, num_envs, args.seed + rank, args.capture_video and rank == 0, f"videos/{run.name}")
     n_act = envs.single_action_space.n
 
-    agent = Agent(n_act, device=device)
-    if args.load_model:
-        load_checkpoint(args.load_model, {"agent": agent}, args.env_id)
-    if world_size > 1:
-        broadcast_parameters(agent.parameters())
-    # Acting uses a detached view of the same parameters: no autograd bookkeeping per step, and
-    # every optimizer step is visible to it at once (the storages are shared).
-    agent_inference = Agent(n_act, device="meta")
-    agents, params = [agent], from_module(agent).data
+    agents = [Agent(n_act, device=device)]
     for k in range(1, num_seeds):
-        # Seed k starts from the weights a single run of seed + k starts from.
-        torch.manual_seed(args.seed + k)
+        torch.manual_seed(args.seed + k)  # seed k starts from the weights a single run of seed + k starts from
         agents.append(Agent(n_act, device=device))
-        if args.load_model:
-            load_checkpoint(args.load_model, {"agent": agents[k]}, args.env_id)
-    if num_seeds > 1:
-        params = stack_seeds(agents)
-    seed_networks = [{"agent": a} for a in agents]
+    for agent in agents if args.load_model else []:
+        run.load({"agent": agent})
+    if world_size > 1:
+        broadcast_parameters(agents[0].parameters())
+    # Acting and the update read the same stacked, detached parameters (the agents hold views of
+    # them): no autograd bookkeeping per step, and every optimizer step is seen at once.
+    params = stack_seeds(agents)
+    seed_networks = [{"agent": agent} for agent in agents]
     # The learning rate is a tensor annealed in place, so annealing never recompiles the update.
     # Eager updates step Adam with the fused kernel; a compiled update traces its per-tensor form.
     # On CUDA, Adam's step counts live on the device (capturable), so a step never syncs.
     lr = torch.tensor(args.learning_rate, device=device)
-    named = agent.named_parameters() if num_seeds == 1 else params.items()
-    optimizer = Adam(named, lr, eps=1e-5, fused=not args.compile, capturable=device.type == "cuda")
+    optimizer = Adam(params.items(), lr, eps=1e-5, fused=not args.compile, capturable=device.type == "cuda")
 
-    if num_seeds == 1:
-        params.to_module(agent_inference)
-    policy = make_policy(agent_inference, dict(params.items()), num_seeds)
+    policy = make_policy(agents[0], dict(params.items()), num_seeds)
     gae = make_gae(args.gamma, args.gae_lambda)
-    update = make_update(agent, optimizer, args, world_size, num_seeds)
-    # What --compile compiles (2-core CPU, torch 2.13, one thread):
-    # - update: about 155 ms eager (fused Adam: 2 ms of it), 125 ms compiled per minibatch of
-    #   256, both on channels-last frames (see below): the gather, the uint8-to-float division,
-    #   the losses, the backward's pointwise ops, clipping and Adam fuse into a few C++ kernels
-    #   around oneDNN's convolutions, which are most of what is left. Compiled on every device;
-    # - policy: 2.8 ms eager, 2.9 ms compiled for the 8 frames of one step (the same oneDNN
-    #   convolutions, plus guards), so it is compiled on CUDA only, where launches dominate;
-    # - gae: a sequential loop of num_steps steps; compiling it would unroll it, so it stays eager.
+    update = make_update(agents[0], optimizer, args, world_size, num_seeds)
+    # --compile: the update on every device (its pointwise ops, clipping and Adam fuse around the
+    # convolutions); the policy only on CUDA, where launches dominate: on a CPU its convolutions
+    # are the same either way. GAE stays eager: compiling its sequential loop would unroll it.
     if args.compile:
         update = torch.compile(update, fullgraph=True, options={"guard_filter_fn": value_guards})
         if device.type == "cuda":
@@ -984,17 +427,12 @@ def main(args: Args):
         policy = CudaGraphModule(policy)
 
     # oneDNN's convolutions are faster channels-last on a CPU (inductor picks that layout itself
-    # when compiling), so the update's frames are transposed once per rollout, not in every
-    # minibatch: 235 -> 163 ms per minibatch eager, 181 -> 125 ms compiled. Stacked seeds keep
-    # theirs as stacked: channels-last is a 4-d layout, and under vmap each convolution runs as
-    # one grouped convolution over the seeds, on a copy that functorch lays out (not measured).
-    frame_format = torch.channels_last if device.type == "cpu" and num_seeds == 1 else torch.contiguous_format
+    # when compiling), so the update's frames are transposed once per rollout, not per minibatch.
+    # Stacked seeds keep theirs: vmap runs their convolutions as grouped ones on its own copy.
+    channels_last = device.type == "cpu" and num_seeds == 1
 
     def seeds_first(x):
-        """A rollout [num_steps, num_seeds * num_envs, ...] as a batch [batch_size, ...], or with
-        several seeds [num_seeds, batch_size, ...] (seed k's steps in row k)."""
-        if num_seeds == 1:
-            return x.reshape(batch_size, *x.shape[2:])
+        """A rollout [num_steps, num_seeds * num_envs, ...] as a batch [num_seeds, batch_size, ...]."""
         return x.unflatten(1, (num_seeds, args.num_envs)).transpose(0, 1).reshape(num_seeds, batch_size, *x.shape[2:])
 
     global_step = updates = 0
@@ -1034,11 +472,8 @@ def main(args: Args):
                     next_done = torch.as_tensor(np.logical_or(terminations, truncations), device=device, dtype=torch.float)
                     if world_size > 1:
                         finished += run.finished(global_step, infos)
-                    elif num_seeds == 1:
-                        run.episodes(global_step, infos)
-                    elif infos["_episode"].any():
-                        for k, seed_run in enumerate(runs):
-                            seed_run.episodes(global_step, seed_slice(infos, k, args.num_envs))
+                    else:
+                        log_episodes(runs, global_step, infos, args.num_envs)
 
                 obs_b = torch.stack(obs_list)
                 valid = 1.0 - torch.stack(done_list)
@@ -1054,55 +489,52 @@ def main(args: Args):
                 for step, r, n in gather_episodes(finished, rank, world_size):
                     run.record(step, r, n)
 
+            frames = seeds_first(obs_b)
+            if channels_last:
+                frames = frames.flatten(0, 1).contiguous(memory_format=torch.channels_last).unflatten(0, frames.shape[:2])
             act_b, logprob_b = torch.stack(act_list), torch.stack(logprob_list)
-            batch = (seeds_first(obs_b).contiguous(memory_format=frame_format),
-                     *(seeds_first(x) for x in (act_b, logprob_b, advantages, returns, values, valid)))
-            clipfrac_sum = torch.zeros(num_seeds, device=device).squeeze(0)
+            batch = (frames, *(seeds_first(x) for x in (act_b, logprob_b, advantages, returns, values, valid)))
+            clipfrac_sum = torch.zeros(num_seeds, device=device)
             for epoch in range(args.update_epochs):
                 # Each seed its own minibatch order.
-                order = torch.randperm(batch_size, device=device) if num_seeds == 1 else torch.rand(num_seeds, batch_size, device=device).argsort(1)
-                for idx in order.split(minibatch_size, dim=-1):
+                order = torch.stack([torch.randperm(batch_size, device=device) for _ in range(num_seeds)])
+                for idx in order.split(minibatch_size, dim=1):
                     if cudagraphs:
                         torch.compiler.cudagraph_mark_step_begin()
                     # The graphed output is overwritten by the next call: the last one is read.
                     metrics = update(*batch, idx)
-                    clipfrac_sum += metrics[..., CLIPFRAC]
+                    clipfrac_sum += metrics[:, CLIPFRAC]
                     updates += 1
                 # note: a host sync, once per epoch and only with --target-kl
-                if args.target_kl is not None and metrics[APPROX_KL].item() > args.target_kl:
+                if args.target_kl is not None and metrics[0, APPROX_KL].item() > args.target_kl:
                     break
 
-            # As CleanRL: the last minibatch's losses, clipfrac over all minibatches; per seed.
+            clipfrac = clipfrac_sum / ((epoch + 1) * args.num_minibatches)
             explained_var = explained_variance(batch[5], batch[4], batch[6])
-            clipfrac = clipfrac_sum.view(num_seeds, 1) / ((epoch + 1) * args.num_minibatches)
+            stats = torch.cat([metrics[:, :CLIPFRAC], clipfrac[:, None], explained_var[:, None]], 1).T
             # note: the loop's only host sync is here, once per iteration
-            seed_stats = torch.cat([metrics.view(num_seeds, -1)[:, :CLIPFRAC], clipfrac, explained_var.view(num_seeds, 1)], 1).tolist()
-            seed_losses = [dict(zip([*METRICS, "losses/explained_variance"], stats)) for stats in seed_stats]
-            bad = next(((k, name) for k, losses in enumerate(seed_losses) for name in METRICS if not math.isfinite(losses[name])), None)
-            if bad:
-                k, name = bad
-                which = f" (seed {args.seed + k})" if num_seeds > 1 else ""
-                for seed_run in runs:
-                    seed_run.stop_reason = f"non-finite {name[len('losses/'):]} {seed_losses[k][name]} at step {global_step}{which}"
+            charts = {"charts/learning_rate": lr_now}
+            if not log_seeds(runs, global_step, updates, stats, STATS, seed_networks, **charts):
                 break
-            for seed_run, losses, networks in zip(runs, seed_losses, seed_networks):
-                seed_run.log(global_step, updates, {"charts/learning_rate": lr_now, **losses}, networks)
     except KeyboardInterrupt:
-        for seed_run in runs:
-            seed_run.interrupted = run.interrupted or signal.SIGINT
+        run.interrupt()
     except RuntimeError as e:  # gloo's and nccl's errors (dist.DistError among them)
         if world_size == 1:
             raise
         # Under torchrun a rank that stops (Ctrl-C, a crash) or does not answer within
         # --dist-timeout ends the others' collectives with an error: end as after a bad loss.
         lost = True
-        run.stop_reason = f"rank {rank} stopped at step {global_step}: another rank is gone or was silent for --dist-timeout ({error_line(e)})"
+        run.stop_reason = (
+            f"rank {rank} stopped at step {global_step}: "
+            f"another rank is gone or was silent for --dist-timeout ({error_line(e)})"
+        )
     envs.close()
-    fields = finish_distributed(run, agent.parameters(), world_size, lost) if world_size > 1 else {}
-    # The lead finishes last: its summary reports every seed.
-    for seed_run, networks in reversed(list(zip(runs, seed_networks))):
-        seed_run.finish(global_step, updates, networks, lambda: evaluate(networks["agent"], seed_run.args, seed_run.name, device),
-                        device=device.type, cudagraphs=cudagraphs, world_size=world_size, batch_size=global_batch, **fields)
+    fields = finish_distributed(run, params.values(), world_size, lost) if world_size > 1 else {}
+    finish_seeds(
+        runs, global_step, updates, seed_networks,
+        lambda nets, seed_args, name: evaluate(nets["agent"], seed_args, name, device),
+        device=device.type, cudagraphs=cudagraphs, world_size=world_size, batch_size=global_batch, **fields,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

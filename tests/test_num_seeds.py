@@ -391,7 +391,10 @@ def test_ppo_atari_finished_games_go_to_their_seeds_run(atari):
         "episode": {"r": np.array([1.0, 2.0, 3.0, 4.0]), "l": np.array([10, 20, 30, 40])},
         "_episode": np.array([False, True, True, False]),
     }
-    assert [atari.Run.finished(7, atari.seed_slice(infos, k, 2)) for k in range(2)] == [[(7, 2.0, 20)], [(7, 3.0, 30)]]
+    assert [leanrl_utils.Run.finished(7, leanrl_utils.seed_slice(infos, k, 2)) for k in range(2)] == [
+        [(7, 2.0, 20)],
+        [(7, 3.0, 30)],
+    ]
 
 
 def record_rollouts(module, env_class, factory, monkeypatch):
@@ -443,7 +446,7 @@ def assert_rows_hold_their_seeds_sub_envs(batch, observations, actions, num_step
 def test_ppo_atari_each_seed_learns_from_its_own_sub_envs(atari, tmp_path, monkeypatch):
     """With 2 seeds of 2 envs, row k of the update's first batch holds sub-envs 2k and 2k + 1,
     step by step: their frames and the actions taken in them."""
-    frames, actions, batches = record_rollouts(atari, atari.RecordEpisodeStatistics, "make_update", monkeypatch)
+    frames, actions, batches = record_rollouts(atari, leanrl_utils.RecordEpisodeStatistics, "make_update", monkeypatch)
     assert main_in_process(atari, "--num-seeds", 2, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
     assert batches[0][0].shape == (2, 32, 4, 84, 84) and batches[0][1].shape == (2, 32)
     assert_rows_hold_their_seeds_sub_envs(batches[0], frames, actions, num_steps=16)

@@ -1,8 +1,8 @@
 """PPO on Atari (envpool): the lean update against the plain script's update and compiled
 against eager, the masking of envpool's reset steps, GAE against CleanRL's loop, the sampling
 of the lean policy, the two scripts' whole runs given the same random draws, the whole-game
-returns over lives, the --target-kl rule in both scripts, and the bad-input lines. No
-learning test: Breakout needs hours here."""
+returns over lives, the --target-kl rule in both scripts, the derived forms of a changed
+network, and the bad-input lines. No learning test: Breakout needs hours here."""
 
 import copy
 import functools
@@ -13,8 +13,21 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
+import torch.nn as nn
+from conftest import (
+    TINY,
+    assert_one_line_error,
+    assert_same_run,
+    load_script,
+    main_in_process,
+    recorded_runs,
+    run_script,
+    run_without,
+    scripts,
+    shuffle_as_lean,
+)
 
-from conftest import TINY, assert_one_line_error, assert_same_run, load_script, recorded_runs, run_script, run_without, scripts, shuffle_as_lean
+import leanrl_utils
 
 PLAIN_PATH, LEAN_PATH = scripts("ppo_atari_envpool.py")[0], scripts("ppo_atari_envpool_torchcompile.py")[0]
 PAIR = [PLAIN_PATH, LEAN_PATH]
@@ -53,7 +66,7 @@ def agent_and_update(lean, args, source=None, compiled=False):
     if source is not None:
         agent.load_state_dict(source.state_dict())
     lr = torch.tensor(args.learning_rate)
-    optimizer = lean.Adam(agent.named_parameters(), lr, eps=1e-5, fused=not compiled)
+    optimizer = leanrl_utils.Adam(agent.named_parameters(), lr, eps=1e-5, fused=not compiled)
     return agent, lr, lean.make_update(agent, optimizer, args)
 
 
@@ -76,7 +89,7 @@ def test_compiled_update_matches_eager(lean):
     batch = make_batch(64)
     eager_agent, eager_lr, eager = agent_and_update(lean, args)
     compiled_agent, compiled_lr, compiled = agent_and_update(lean, args, eager_agent, compiled=True)
-    compiled = torch.compile(compiled, fullgraph=True, options={"guard_filter_fn": lean.value_guards})
+    compiled = torch.compile(compiled, fullgraph=True, options={"guard_filter_fn": leanrl_utils.value_guards})
     initial = copy.deepcopy(eager_agent.state_dict())
     batch_cl = (batch[0].contiguous(memory_format=torch.channels_last),) + batch[1:]
     for k, idx in enumerate(torch.randperm(64).split(16)):
@@ -124,7 +137,9 @@ def test_lean_update_is_the_plain_update(plain, lean):
         adv_mean = (mb_advantages * mb_valid).sum() / n_valid
         adv_std = (((mb_advantages - adv_mean) ** 2 * mb_valid).sum() / (n_valid - 1).clamp(min=1)).sqrt()
         mb_advantages = (mb_advantages - adv_mean) / (adv_std + 1e-8)
-        pg_loss = (torch.max(-mb_advantages * ratio, -mb_advantages * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)) * mb_valid).sum() / n_valid
+        pg_loss = (
+            torch.max(-mb_advantages * ratio, -mb_advantages * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)) * mb_valid
+        ).sum() / n_valid
         newvalue = newvalue.view(-1)
         v_clipped = b_values[mb_inds] + (newvalue - b_values[mb_inds]).clamp(-args.clip_coef, args.clip_coef)
         v_loss_max = torch.max((newvalue - b_returns[mb_inds]) ** 2, (v_clipped - b_returns[mb_inds]) ** 2)
@@ -227,7 +242,7 @@ def test_policy_samples_the_categorical_it_reports(lean):
     with torch.no_grad():
         agent.actor.weight.zero_()
         agent.actor.bias.copy_(logits)
-        policy = lean.make_policy(agent, None, 1)
+        policy = lean.make_policy(agent, dict(leanrl_utils.stack_seeds([agent]).items()), 1)
         obs = torch.zeros(500, 4, 84, 84, dtype=torch.uint8)
         actions, logprobs = zip(*[policy(obs)[:2] for _ in range(20)])
     actions, logprobs = torch.cat(actions), torch.cat(logprobs)
@@ -236,6 +251,93 @@ def test_policy_samples_the_categorical_it_reports(lean):
     # 10,000 draws: the standard error of each frequency is below 0.005.
     torch.testing.assert_close(freq, expected.probs, atol=0.02, rtol=0)
     torch.testing.assert_close(logprobs, expected.log_prob(actions))
+
+
+# ---------------------------------------------------------------- a changed network
+
+
+def other_agent(lean):
+    """The lean Agent as a researcher might change it: two convolutions of other widths, Tanh
+    for ReLU, an extra Linear layer, and heads of another width (forward: the script's own)."""
+
+    class OtherAgent(lean.Agent):
+        def __init__(self, n_act, device=None):
+            super().__init__(n_act, device)
+            self.network = nn.Sequential(
+                nn.Conv2d(4, 16, 8, stride=4, device=device),
+                nn.Tanh(),
+                nn.Conv2d(16, 32, 4, stride=2, device=device),
+                nn.Tanh(),
+                nn.Flatten(),
+                nn.Linear(32 * 9 * 9, 256, device=device),
+                nn.Tanh(),
+                nn.Linear(256, 128, device=device),
+                nn.ReLU(),
+            )
+            self.actor = nn.Linear(128, n_act, device=device)
+            self.critic = nn.Linear(128, 1, device=device)
+
+    return OtherAgent
+
+
+@pytest.mark.parametrize("num_seeds", [1, 3])
+def test_a_changed_network_acts_as_the_module_does(lean, monkeypatch, num_seeds):
+    """The policy the script derives from its Agent (`seeds_forward` over the stacked seeds)
+    follows a changed Agent: each seed's block of frames gets that seed's module's value, and the
+    action and log-probability of its logits under the same Gumbel noise. One seed (a stack of
+    one) runs the module's own ops: bit for bit. Stacked seeds run vmapped (grouped)
+    convolutions: torch's float32 default tolerance, and the same actions. Atari has no numpy
+    acting."""
+    monkeypatch.setattr(lean, "Agent", other_agent(lean))
+    torch.manual_seed(0)
+    agents = [lean.Agent(4) for _ in range(num_seeds)]
+    policy = lean.make_policy(lean.Agent(4, device="meta"), dict(leanrl_utils.stack_seeds(agents).items()), num_seeds)
+    obs = torch.randint(0, 256, (num_seeds * 5, 4, 84, 84), dtype=torch.uint8)
+    with torch.no_grad():
+        torch.manual_seed(1)
+        action, logprob, value = policy(obs)
+        logits, expected_value = (
+            torch.cat(x) for x in zip(*(a(block) for a, block in zip(agents, obs.view(num_seeds, 5, 4, 84, 84))))
+        )
+        torch.manual_seed(1)
+        expected_action = (logits - (-torch.rand_like(logits).log()).log()).argmax(1)
+    expected_logprob = logits.log_softmax(1).gather(1, expected_action[:, None]).squeeze(1)
+    assert torch.equal(action, expected_action)
+    if num_seeds == 1:
+        assert torch.equal(value, expected_value) and torch.equal(logprob, expected_logprob)
+    torch.testing.assert_close(value, expected_value)
+    torch.testing.assert_close(logprob, expected_logprob)
+
+
+@pytest.mark.parametrize("num_seeds", [1, 2])
+def test_a_changed_network_trains_each_seed_on_its_own(lean, monkeypatch, tmp_path, num_seeds):
+    """The update the script derives from a changed Agent (`make_update` with stacked seeds, as
+    `main` builds it): each seed takes, in one step, the step its own unstacked update takes. One
+    seed (a stack of one) runs the agent's own ops: bit for bit. Two seeds (the gradient vmapped):
+    rtol 1e-5 / atol 1e-6, float32 summed in another order, as in test_num_seeds. A whole
+    --num-seeds run then saves each seed's changed agent."""
+    monkeypatch.setattr(lean, "Agent", other_agent(lean))
+    torch.manual_seed(0)
+    args = lean.Args(max_grad_norm=0.05)
+    agents = [lean.Agent(4) for _ in range(num_seeds)]
+    singles = [agent_and_update(lean, args, agent) for agent in agents]
+    stacked_agents = copy.deepcopy(agents)
+    params = leanrl_utils.stack_seeds(stacked_agents)
+    optimizer = leanrl_utils.Adam(params.items(), torch.tensor(args.learning_rate), eps=1e-5, fused=True)
+    stacked = lean.make_update(stacked_agents[0], optimizer, args, 1, num_seeds)
+    batches = [make_batch(32, seed=k) for k in range(num_seeds)]
+    idx = torch.stack([torch.randperm(32)[:16] for _ in range(num_seeds)])
+    metrics = stacked(*(torch.stack(x) for x in zip(*batches)), idx)
+    assert metrics.shape == (num_seeds, len(lean.METRICS))
+    exact = {"rtol": 0, "atol": 0} if num_seeds == 1 else {"rtol": 1e-5, "atol": 1e-6}
+    for k, (agent, _, update) in enumerate(singles):
+        torch.testing.assert_close(metrics[k], update(*batches[k], idx[k]), **exact)
+        assert_same_parameters(agent, stacked_agents[k], **exact)
+        assert not torch.equal(agent.network[0].weight, agents[k].network[0].weight)  # the step moved it
+
+    assert main_in_process(lean, "--num-seeds", num_seeds, "--save-model", tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
+    saved = [torch.load(path, weights_only=True)["model"]["agent"] for path in sorted(tmp_path.glob("runs/*/*.pt"))]
+    assert len(saved) == num_seeds and all(s["network.7.weight"].shape == (128, 256) for s in saved)
 
 
 # ---------------------------------------------------------------- whole run
@@ -327,8 +429,10 @@ def test_returns_count_whole_games_over_lives(script):
     """Env 0 plays a 3-life game: lost lives end episodes (terminated) but not the game; the
     game's raw return over all lives is charted once, at the step where envpool says the game
     is over. Env 1 is cut by the step limit (truncated), which also ends its game. The charts
-    come from the RUN block's `Run.episodes`, fed the wrapper's infos as the loop feeds them."""
-    module = load_script(script)
+    come from leanrl_utils' `Run.episodes`, fed the wrapper's infos as the loop feeds them; both
+    scripts make their envs with leanrl_utils' `envpool_envs`, which wraps them in this wrapper."""
+    assert load_script(script).envpool_envs is leanrl_utils.envpool_envs
+    module = leanrl_utils
     #        (reward, terminated, truncated, lives, game over)
     steps = [
         [(1, False, False, 3, 0), (1, False, False, 5, 0)],
@@ -393,22 +497,22 @@ def test_target_kl_stops_both_scripts_at_the_same_epoch(plain, lean, monkeypatch
 
     def scripted_make_update(agent, optimizer, args, *rest):
         def update(*batch):
-            metrics = torch.zeros(len(lean.METRICS))
-            metrics[lean.METRICS.index("losses/approx_kl")] = approx_kl(next(lean_feed))
+            metrics = torch.zeros(1, len(lean.METRICS))  # one seed's
+            metrics[0, lean.METRICS.index("losses/approx_kl")] = approx_kl(next(lean_feed))
             return metrics
 
         return update
 
     monkeypatch.setattr(lean, "make_update", scripted_make_update)
+    log = leanrl_utils.Run.log  # shared by both scripts: patched anew for each
     for module in (plain, lean):
         logged = []
-        log = module.Run.log
 
-        def recording_log(self, step, updates, metrics, networks, log=log, logged=logged):
+        def recording_log(self, step, updates, metrics, networks, logged=logged):
             logged.append((updates, metrics["losses/approx_kl"]))
             return log(self, step, updates, metrics, networks)
 
-        monkeypatch.setattr(module.Run, "log", recording_log)
+        monkeypatch.setattr(leanrl_utils.Run, "log", recording_log)
         module.main(module.Args(**args))
         assert [u for u, _ in logged] == [u for u, _ in expected], module.__name__
         assert [kl for _, kl in logged] == pytest.approx([kl for _, kl in expected], rel=1e-5), module.__name__
@@ -469,7 +573,9 @@ def test_non_finite_loss_stops_with_one_line_and_saves_no_non_finite_weights(scr
     """A learning rate of 1e30 blows the first iteration's updates up: exit 1 after the summary,
     one line naming the step, and no checkpoint of non-finite weights (here none at all: the
     weights were finite at no log point)."""
-    summary, proc = run_script(script, *TINY["ppo_atari_envpool"], "--learning-rate", "1e30", "--save-model", cwd=workdir, check=False)
+    summary, proc = run_script(
+        script, *TINY["ppo_atari_envpool"], "--learning-rate", "1e30", "--save-model", cwd=workdir, check=False
+    )
     assert proc.returncode == 1
     assert_one_line_error(proc, "non-finite", "at step 32")
     assert summary["checkpoint"] is None
