@@ -134,6 +134,121 @@ def make_env(env_id, idx, capture_video, run_name):
     return thunk
 
 
+def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
+    torch.nn.init.orthogonal_(layer.weight, std)
+    torch.nn.init.constant_(layer.bias, bias_const)
+    return layer
+
+
+class QNetwork(nn.Module):
+    """CleanRL's PQN MLP: LayerNorm after each hidden layer, which is what lets PQN learn without
+    a target network (Gallici et al., 2024, section 4)."""
+
+    def __init__(self, n_obs, n_act, device=None):
+        super().__init__()
+        self.network = nn.Sequential(
+            layer_init(nn.Linear(n_obs, 120, device=device)),
+            nn.LayerNorm(120, device=device),
+            nn.ReLU(),
+            layer_init(nn.Linear(120, 84, device=device)),
+            nn.LayerNorm(84, device=device),
+            nn.ReLU(),
+            layer_init(nn.Linear(84, n_act, device=device)),
+        )
+
+    def forward(self, x):
+        return self.network(x)
+
+
+def make_update(q_network, optimizer, max_grad_norm, num_seeds):
+    """One minibatch step of every seed as a pure function of tensors, so that torch.compile sees
+    all of it as one graph (`fullgraph=True`): the gather, forward, backward (`torch.func`),
+    gradient clipping and RAdam. obs, actions and returns are [seeds, batch, ...], `idx`
+    [seeds, minibatch] holds each seed's own rows. The sum of the seeds' losses is differentiated:
+    seed k's part of its gradient is its own loss's gradient; each seed's gradient is clipped by
+    its own norm, and RAdam is elementwise, so one step over the stack is num_seeds independent
+    steps. Returns the METRICS as one [len(METRICS), seeds] tensor that stays on the device."""
+    forward = seeds_forward(q_network)
+    seeds = torch.arange(num_seeds, device=next(iter(optimizer.params.values())).device).unsqueeze(1)
+
+    def td_loss(params, obs, actions, returns):
+        old_val = forward(params, obs).gather(2, actions.unsqueeze(2)).squeeze(2)
+        losses = (returns - old_val).square().mean(dim=1)
+        return losses.sum(), (losses, old_val)
+
+    def update(obs, actions, returns, idx):
+        grads, (_, (losses, old_val)) = torch.func.grad_and_value(td_loss, has_aux=True)(
+            optimizer.params, obs[seeds, idx], actions[seeds, idx], returns[seeds, idx]
+        )
+        # nn.utils.clip_grad_norm_ per seed: the norm over each seed's slices of the gradients
+        norms = [torch.linalg.vector_norm(g.flatten(1), dim=1) for g in grads.values()]
+        clip = (max_grad_norm / (torch.linalg.vector_norm(torch.stack(norms), dim=0) + 1e-6)).clamp(max=1.0)
+        optimizer.step({name: g * clip.view(-1, *[1] * (g.dim() - 1)) for name, g in grads.items()})
+        return torch.stack([losses, old_val.mean(dim=1)]).detach()
+
+    return update
+
+
+METRICS = ["losses/td_loss", "losses/q_values"]
+
+
+def make_returns(gamma, q_lambda):
+    """Q(lambda) returns over a rollout of shape (num_steps, num_envs), the plain script's loop on
+    whole rows: G[t] = r[t] + gamma (1 - done[t]) ((1 - l) Q[t] + l G[t + 1]), with Q[t] max Q of
+    the next observation (`values[t + 1]`, `next_value` after the last step) and l = q_lambda, or
+    0 at the rollout's last step."""
+
+    def returns_fn(rewards, values, next_value, dones):
+        next_q = torch.cat([values[1:], next_value.unsqueeze(0)])
+        lam = torch.full_like(rewards, q_lambda)
+        lam[-1] = 0.0
+        discount = gamma * (1.0 - dones)
+        base = rewards + discount * (1.0 - lam) * next_q
+        decay = discount * lam
+        # G[t] = base[t] + decay[t] G[t + 1] is (I - U) G = base per env, U upper bidiagonal with
+        # decay[t] at (t, t + 1): one batched triangular solve, whose back substitution is that
+        # recursion, in a few ops where a loop costs one op per step eager and long to compile.
+        # Memory: num_steps**2 * num_envs floats.
+        upper = torch.diag_embed(-decay.T[:, :-1], offset=1)  # the diagonal is taken as ones
+        solved = torch.linalg.solve_triangular(upper, base.T.unsqueeze(2), upper=True, unitriangular=True)
+        return solved.squeeze(2).T.contiguous()
+
+    return returns_fn
+
+
+def make_policy(q_network, params, num_seeds, host):
+    """Acting: for observations [seeds * envs, n_obs] (seed k's envs in block k), the greedy action
+    of each under its seed's network and its max Q (the value the Q(lambda) returns bootstrap
+    from); epsilon-greedy is mixed in by the loop. `params`: the Q-networks' parameters stacked on
+    a leading seed dimension (`stack_seeds`). Both forms are derived from `QNetwork`: `host` (a
+    CPU), numpy in and out (`numpy_forward`, where an op on a few numbers costs under a
+    microsecond and a torch op several, so the rollout loop makes no torch call at all); else
+    torch, which CUDA compiles and graphs (the loop calls it through `host_arrays`)."""
+    if host:
+        forward = numpy_forward(q_network, params)
+
+        def host_policy(obs):
+            q = forward(obs.reshape(num_seeds, -1, obs.shape[-1]))
+            return q.argmax(2).ravel(), q.max(2).ravel()
+
+        return host_policy
+    forward = seeds_forward(q_network)
+
+    def policy(obs):
+        value, greedy = forward(params, obs.view(num_seeds, -1, obs.shape[-1])).max(dim=2)
+        return greedy.flatten(), value.flatten()
+
+    return policy
+
+
+def draw_exploration(epsilons, num_envs, n_act, device):
+    """A rollout's epsilon-greedy draws at once, [num_steps, num_envs]: whether each env explores
+    at each step (a uniform below that step's epsilon) and the random action it would take. Two
+    ops per rollout, not four per step: on a CPU each op on a few numbers costs several us."""
+    explore = torch.rand(len(epsilons), num_envs, device=device) < torch.tensor(epsilons, device=device).unsqueeze(1)
+    return explore, torch.randint(n_act, (len(epsilons), num_envs), device=device)
+
+
 def make_envs(args, run_name, num_envs, capture_video=False):
     """The vector env, or one clear line for an env this script cannot use."""
     if args.env_id not in gym.registry:
@@ -172,121 +287,6 @@ def linear_schedule(start_e: float, end_e: float, duration: float, t: int) -> fl
     if duration <= 0:
         return end_e
     return start_e + (end_e - start_e) * min(t / duration, 1.0)
-
-
-def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
-    torch.nn.init.orthogonal_(layer.weight, std)
-    torch.nn.init.constant_(layer.bias, bias_const)
-    return layer
-
-
-class QNetwork(nn.Module):
-    """CleanRL's PQN MLP: LayerNorm after each hidden layer, which is what lets PQN learn without
-    a target network (Gallici et al., 2024, section 4)."""
-
-    def __init__(self, n_obs, n_act, device=None):
-        super().__init__()
-        self.network = nn.Sequential(
-            layer_init(nn.Linear(n_obs, 120, device=device)),
-            nn.LayerNorm(120, device=device),
-            nn.ReLU(),
-            layer_init(nn.Linear(120, 84, device=device)),
-            nn.LayerNorm(84, device=device),
-            nn.ReLU(),
-            layer_init(nn.Linear(84, n_act, device=device)),
-        )
-
-    def forward(self, x):
-        return self.network(x)
-
-
-def draw_exploration(epsilons, num_envs, n_act, device):
-    """A rollout's epsilon-greedy draws at once, [num_steps, num_envs]: whether each env explores
-    at each step (a uniform below that step's epsilon) and the random action it would take. Two
-    ops per rollout, not four per step: on a CPU each op on a few numbers costs several us."""
-    explore = torch.rand(len(epsilons), num_envs, device=device) < torch.tensor(epsilons, device=device).unsqueeze(1)
-    return explore, torch.randint(n_act, (len(epsilons), num_envs), device=device)
-
-
-def make_policy(q_network, params, num_seeds, host):
-    """Acting: for observations [seeds * envs, n_obs] (seed k's envs in block k), the greedy action
-    of each under its seed's network and its max Q (the value the Q(lambda) returns bootstrap
-    from); epsilon-greedy is mixed in by the loop. `params`: the Q-networks' parameters stacked on
-    a leading seed dimension (`stack_seeds`). Both forms are derived from `QNetwork`: `host` (a
-    CPU), numpy in and out (`numpy_forward`, where an op on a few numbers costs under a
-    microsecond and a torch op several, so the rollout loop makes no torch call at all); else
-    torch, which CUDA compiles and graphs (the loop calls it through `host_arrays`)."""
-    if host:
-        forward = numpy_forward(q_network, params)
-
-        def host_policy(obs):
-            q = forward(obs.reshape(num_seeds, -1, obs.shape[-1]))
-            return q.argmax(2).ravel(), q.max(2).ravel()
-
-        return host_policy
-    forward = seeds_forward(q_network)
-
-    def policy(obs):
-        value, greedy = forward(params, obs.view(num_seeds, -1, obs.shape[-1])).max(dim=2)
-        return greedy.flatten(), value.flatten()
-
-    return policy
-
-
-def make_returns(gamma, q_lambda):
-    """Q(lambda) returns over a rollout of shape (num_steps, num_envs), the plain script's loop on
-    whole rows: G[t] = r[t] + gamma (1 - done[t]) ((1 - l) Q[t] + l G[t + 1]), with Q[t] max Q of
-    the next observation (`values[t + 1]`, `next_value` after the last step) and l = q_lambda, or
-    0 at the rollout's last step."""
-
-    def returns_fn(rewards, values, next_value, dones):
-        next_q = torch.cat([values[1:], next_value.unsqueeze(0)])
-        lam = torch.full_like(rewards, q_lambda)
-        lam[-1] = 0.0
-        discount = gamma * (1.0 - dones)
-        base = rewards + discount * (1.0 - lam) * next_q
-        decay = discount * lam
-        # G[t] = base[t] + decay[t] G[t + 1] is (I - U) G = base per env, U upper bidiagonal with
-        # decay[t] at (t, t + 1): one batched triangular solve, whose back substitution is that
-        # recursion, in a few ops where a loop costs one op per step eager and long to compile.
-        # Memory: num_steps**2 * num_envs floats.
-        upper = torch.diag_embed(-decay.T[:, :-1], offset=1)  # the diagonal is taken as ones
-        solved = torch.linalg.solve_triangular(upper, base.T.unsqueeze(2), upper=True, unitriangular=True)
-        return solved.squeeze(2).T.contiguous()
-
-    return returns_fn
-
-
-def make_update(q_network, optimizer, max_grad_norm, num_seeds):
-    """One minibatch step of every seed as a pure function of tensors, so that torch.compile sees
-    all of it as one graph (`fullgraph=True`): the gather, forward, backward (`torch.func`),
-    gradient clipping and RAdam. obs, actions and returns are [seeds, batch, ...], `idx`
-    [seeds, minibatch] holds each seed's own rows. The sum of the seeds' losses is differentiated:
-    seed k's part of its gradient is its own loss's gradient; each seed's gradient is clipped by
-    its own norm, and RAdam is elementwise, so one step over the stack is num_seeds independent
-    steps. Returns the METRICS as one [len(METRICS), seeds] tensor that stays on the device."""
-    forward = seeds_forward(q_network)
-    seeds = torch.arange(num_seeds, device=next(iter(optimizer.params.values())).device).unsqueeze(1)
-
-    def td_loss(params, obs, actions, returns):
-        old_val = forward(params, obs).gather(2, actions.unsqueeze(2)).squeeze(2)
-        losses = (returns - old_val).square().mean(dim=1)
-        return losses.sum(), (losses, old_val)
-
-    def update(obs, actions, returns, idx):
-        grads, (_, (losses, old_val)) = torch.func.grad_and_value(td_loss, has_aux=True)(
-            optimizer.params, obs[seeds, idx], actions[seeds, idx], returns[seeds, idx]
-        )
-        # nn.utils.clip_grad_norm_ per seed: the norm over each seed's slices of the gradients
-        norms = [torch.linalg.vector_norm(g.flatten(1), dim=1) for g in grads.values()]
-        clip = (max_grad_norm / (torch.linalg.vector_norm(torch.stack(norms), dim=0) + 1e-6)).clamp(max=1.0)
-        optimizer.step({name: g * clip.view(-1, *[1] * (g.dim() - 1)) for name, g in grads.items()})
-        return torch.stack([losses, old_val.mean(dim=1)]).detach()
-
-    return update
-
-
-METRICS = ["losses/td_loss", "losses/q_values"]
 
 
 def evaluate(q_network, args, run_name, device):

@@ -131,36 +131,6 @@ def make_env(env_id, idx, capture_video, run_name):
     return thunk
 
 
-def make_envs(args, run_name, num_envs, capture_video=False):
-    """The vector env, or one clear line for an env this script cannot use."""
-    if args.env_id not in gym.registry:
-        fail(f"unknown environment id {args.env_id!r}: pass --env-id with a registered gymnasium id, e.g. HalfCheetah-v5")
-    if capture_video:
-        if importlib.util.find_spec("moviepy") is None:
-            fail("--capture-video needs moviepy: pip install 'leanrl[video]'")
-        # MuJoCo renders off-screen through EGL, which needs no display; MUJOCO_GL set by the user wins.
-        os.environ.setdefault("MUJOCO_GL", "egl")
-    try:
-        if capture_video:  # a missing renderer fails here, not at the first recorded frame
-            probe = gym.make(args.env_id, render_mode="rgb_array")
-            probe.reset(seed=args.seed)
-            probe.render()
-            probe.close()
-        # SAME_STEP autoreset: the step that ends an episode returns the first observation of the
-        # next one and the true last one in infos["final_obs"], so every step is one real
-        # transition and none spans an autoreset.
-        thunks = [make_env(args.env_id, i, capture_video, run_name) for i in range(num_envs)]
-        envs = gym.vector.SyncVectorEnv(thunks, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
-    except gym.error.DependencyNotInstalled as e:
-        fail(f"{args.env_id} needs a missing dependency ({e}): for MuJoCo envs, pip install 'leanrl[mujoco]'")
-    if not isinstance(envs.single_action_space, gym.spaces.Box):
-        fail(
-            f"{args.env_id} has a {type(envs.single_action_space).__name__} action space; "
-            "SAC handles continuous (Box) actions only (e.g. Pendulum-v1)"
-        )
-    return envs
-
-
 class SoftQNetwork(nn.Module):
     def __init__(self, n_obs, n_act, device=None):
         super().__init__()
@@ -222,15 +192,6 @@ def squashed_sample(mean, log_std, action_scale, action_bias):
     log_prob = log_prob.sum(1, keepdim=True)
     mean = torch.tanh(mean) * action_scale + action_bias
     return action, log_prob, mean
-
-
-def make_policy(actor):
-    """Acting: a sampled action, from a copy of the actor on detached views of its parameters."""
-
-    def policy(obs):
-        return actor.get_action(obs)[0]
-
-    return policy
 
 
 def make_update(actor, qf, target_params, alpha, q_optimizer, actor_optimizer, a_optimizer, storage, gamma):
@@ -303,6 +264,45 @@ METRICS = [
     "losses/qf_loss", "losses/qf1_loss", "losses/qf2_loss", "losses/qf1_values", "losses/qf2_values",
     "losses/actor_loss", "losses/alpha", "losses/alpha_loss",
 ]  # fmt: skip
+
+
+def make_policy(actor):
+    """Acting: a sampled action, from a copy of the actor on detached views of its parameters."""
+
+    def policy(obs):
+        return actor.get_action(obs)[0]
+
+    return policy
+
+
+def make_envs(args, run_name, num_envs, capture_video=False):
+    """The vector env, or one clear line for an env this script cannot use."""
+    if args.env_id not in gym.registry:
+        fail(f"unknown environment id {args.env_id!r}: pass --env-id with a registered gymnasium id, e.g. HalfCheetah-v5")
+    if capture_video:
+        if importlib.util.find_spec("moviepy") is None:
+            fail("--capture-video needs moviepy: pip install 'leanrl[video]'")
+        # MuJoCo renders off-screen through EGL, which needs no display; MUJOCO_GL set by the user wins.
+        os.environ.setdefault("MUJOCO_GL", "egl")
+    try:
+        if capture_video:  # a missing renderer fails here, not at the first recorded frame
+            probe = gym.make(args.env_id, render_mode="rgb_array")
+            probe.reset(seed=args.seed)
+            probe.render()
+            probe.close()
+        # SAME_STEP autoreset: the step that ends an episode returns the first observation of the
+        # next one and the true last one in infos["final_obs"], so every step is one real
+        # transition and none spans an autoreset.
+        thunks = [make_env(args.env_id, i, capture_video, run_name) for i in range(num_envs)]
+        envs = gym.vector.SyncVectorEnv(thunks, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    except gym.error.DependencyNotInstalled as e:
+        fail(f"{args.env_id} needs a missing dependency ({e}): for MuJoCo envs, pip install 'leanrl[mujoco]'")
+    if not isinstance(envs.single_action_space, gym.spaces.Box):
+        fail(
+            f"{args.env_id} has a {type(envs.single_action_space).__name__} action space; "
+            "SAC handles continuous (Box) actions only (e.g. Pendulum-v1)"
+        )
+    return envs
 
 
 def evaluate(actor, args, run_name, device):
