@@ -392,9 +392,16 @@ class Run:
             print(json.dumps(summary), flush=True)
         if self.stop_reason:
             print(f"error: {self.stop_reason}", file=sys.stderr)
-            sys.exit(1)
-        if self.interrupted:
-            sys.exit(143 if self.interrupted == signal.SIGTERM else 130)
+        code = 1 if self.stop_reason else (143 if self.interrupted == signal.SIGTERM else 130) if self.interrupted else 0
+        if fields.get("world_size", 1) > 1:
+            # Everything is saved, closed and printed. A gloo rank that reaches interpreter
+            # teardown can abort there (SIGABRT, "terminate called without an active exception"),
+            # from gloo's threads: leave before it.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        if code:
+            sys.exit(code)
 
 
 def seed_runs(args, total_steps, script, rank=0):

@@ -149,7 +149,7 @@ def test_two_ranks_learn_inverted_pendulum(workdir):
         cwd=workdir,
         timeout=1200,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-1000:]
     (summary,) = summaries(proc)
     assert summary["batch_size"] == 1024 and summary["total_steps"] == 40960
     assert summary["episodic_return"] >= LEARNING_THRESHOLD, summary
