@@ -519,7 +519,9 @@ class ReplayBuffer:
         self.pos = self.size = self.pending = 0
 
     def add(self, **rows):
-        n = len(next(iter(rows.values())))
+        """Stage `rows` (name -> [n, *row shape], or one row without its leading 1)."""
+        key, value = next(iter(rows.items()))
+        n = value.size // self.stage[key][0].size
         for key, value in rows.items():
             self.stage[key][self.pending : self.pending + n] = value
         self.pending += n

@@ -290,7 +290,10 @@ def main(args: Args):
     rb = ReplayBuffer(args.buffer_size, fields, stage_steps * args.num_envs, device)
 
     def rows(**values):
-        """Per-sub-env values as buffer rows: env i of every seed in row i."""
+        """Per-sub-env values as buffer rows: env i of every seed in row i (with one env per seed,
+        as by default, a vector step is one row as it is: the views would cost more than the step)."""
+        if args.num_envs == 1:
+            return values
         return {k: x.reshape(num_seeds, args.num_envs, *x.shape[1:]).swapaxes(0, 1) for k, x in values.items()}
 
     # On CUDA, Adam's step counts live on the device (capturable), so the update never syncs.
