@@ -78,19 +78,21 @@ def check_args(args):
     if args.total_timesteps == 0 and not args.load_model:
         fail("--total-timesteps 0 trains nothing: give a budget, or --load-model to evaluate a checkpoint")
     num_seeds = getattr(args, "num_seeds", 1)
-    # Every seed a run derives: one per process (torchrun: seed + rank), per seed's env, and
-    # evaluation's seed + 10000; envpool takes int32 seeds.
+    # Every seed a run derives stays in envpool's int32 range: one per process (torchrun: seed +
+    # rank), per env of every seed, and evaluation's seed + 10000.
     world_size = os.environ.get("WORLD_SIZE", "1")
-    derived = (int(world_size) if world_size.isdigit() else 1) + num_seeds * getattr(args, "num_envs", 1) + 10_000
-    if not 0 <= args.seed < 2**31 - derived:
+    world_size = int(world_size) if world_size.isdigit() else 1
+    num_envs = getattr(args, "num_envs", 1)
+    limit = 2**31 - world_size - num_seeds * num_envs - 10_000
+    if not 0 <= args.seed < limit:
+        seeds = f"--num-seeds {num_seeds} x " if hasattr(args, "num_seeds") else ""
         fail(
-            f"--seed {args.seed} is out of range: every seed the run derives (up to seed + {derived}) must stay "
-            f"below 2**31: use a seed in [0, {2**31 - derived})"
+            f"--seed {args.seed} is out of range: seed + {world_size} processes + {seeds}--num-envs {num_envs} + 10000 "
+            f"(evaluation) must stay below 2**31: use a seed in [0, {limit})"
         )
     name = args.exp_name
     if not name or name.startswith(".") or "/" in name or "\\" in name or not name.isprintable():
         fail(f"--exp-name {name!r} is not a plain file name: use letters, digits, '-' or '_' (no separator, no leading dot)")
-    check_open_files(num_seeds)
 
 
 def check_open_files(num_seeds):
@@ -514,8 +516,9 @@ class Run:
 
 def seed_runs(args, total_steps, script, rank=0):
     """One Run per seed of --num-seeds (seeds seed ... seed + num_seeds - 1), the first the lead."""
-    lead = Run(args, total_steps, script, rank=rank)
     num_seeds = getattr(args, "num_seeds", 1)
+    check_open_files(num_seeds)
+    lead = Run(args, total_steps, script, rank=rank)
     return [lead] + [Run(replace(args, seed=args.seed + k), total_steps, script, lead=lead) for k in range(1, num_seeds)]
 
 

@@ -3,6 +3,7 @@ folders, a curve that survives SIGKILL, a final save that a full disk or a signa
 exp names, malformed checkpoints, strict JSON with many seeds, the seed and --dist-timeout rules,
 file handles for --num-seeds, and no empty run folder left by a refusal."""
 
+import contextlib
 import errno
 import json
 import math
@@ -250,18 +251,33 @@ def test_the_seed_limit_counts_seeds_envs_ranks_and_evaluation(world_size, monke
 
 @pytest.mark.parametrize("script", SEEDED, ids=lambda s: s.stem)
 def test_num_seeds_beyond_the_open_file_limit_is_refused_first(script, tmp_path, monkeypatch, capsys):
-    """Each seed's run folder holds files open (curve, events, ...): refused before any folder
-    is made or anything big allocated."""
+    """Each seed's run folder holds files open (curve, events, ...): refused before any folder is
+    made or anything big allocated (a script's memory check may refuse first)."""
+    with open_file_limit(1024):
+        code = main_in_process(load_script(script), "--num-seeds", 100_000, tmp_path=tmp_path, monkeypatch=monkeypatch)
+    assert_refused(code, capsys, "--num-seeds")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_open_file_check_counts_files_per_seed(capsys):
+    with open_file_limit(1024):
+        leanrl_utils.check_open_files(100)
+        with pytest.raises(SystemExit):
+            leanrl_utils.check_open_files(100_000)
+    assert "open files" in capsys.readouterr().err
+
+
+@contextlib.contextmanager
+def open_file_limit(limit):
+    """At most `limit` open files (the common default) for the block."""
     if resource is None:
         pytest.skip("no RLIMIT_NOFILE on this platform")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, soft), hard))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(limit, soft), hard))
     try:
-        code = main_in_process(load_script(script), "--num-seeds", 100_000, tmp_path=tmp_path, monkeypatch=monkeypatch)
+        yield
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    assert_refused(code, capsys, "--num-seeds", "open files")
-    assert not (tmp_path / "runs").exists()
 
 
 # ---------------------------------------------------------------- checkpoints
