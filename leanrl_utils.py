@@ -5,14 +5,16 @@ stacking, the forms of a network derived from its `nn.Module`, env wrappers and 
 A script copied out of the repository runs wherever this module is installed (`pip install leanrl`).
 """
 
+import itertools
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import time
 from collections import deque
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -40,12 +42,11 @@ COUNTS = (
     "buffer_size", "train_frequency", "target_network_frequency", "policy_frequency",
 )  # fmt: skip
 RULES = {
-    "seed": (lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)"),
     **{k: (lambda v: v >= 0, "0 or more") for k in ("total_timesteps", "learning_starts", "eval_episodes")},
     **{k: (lambda v: v >= 1, "1 or more") for k in COUNTS},
     **{
         k: (lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
-        for k in ("learning_rate", "q_lr", "policy_lr", "max_grad_norm")
+        for k in ("learning_rate", "q_lr", "policy_lr", "max_grad_norm", "dist_timeout")
     },
     **{k: (lambda v: 0 < v <= 1, "a number in (0, 1]") for k in ("gamma", "tau")},
     **{k: (lambda v: 0 <= v <= 1, "a number in [0, 1]") for k in ("gae_lambda", "start_e", "end_e", "exploration_fraction")},
@@ -58,9 +59,16 @@ RULES = {
 
 
 def fail(message):
-    """Bad input ends the run with one line on stderr and exit status 2, never a traceback."""
+    """Bad input ends the run with one line on stderr and exit status 2, never a traceback. A run
+    folder made for a run refused before its first log point goes too."""
     sys.stderr.write(f"error: {message}\n")  # one write: ranks sharing a stderr cannot split it
+    for run in list(FRESH_RUNS):
+        run.discard()
     sys.exit(2)
+
+
+# Files a seed's run folder holds open (curve.csv, TensorBoard's events, wandb's), with room to spare.
+FILES_PER_SEED = 4
 
 
 def check_args(args):
@@ -70,8 +78,35 @@ def check_args(args):
     if args.total_timesteps == 0 and not args.load_model:
         fail("--total-timesteps 0 trains nothing: give a budget, or --load-model to evaluate a checkpoint")
     num_seeds = getattr(args, "num_seeds", 1)
-    if args.seed + num_seeds > 2**32:
-        fail(f"--seed {args.seed} + --num-seeds {num_seeds} passes 2**32: use a smaller seed")
+    # Every seed a run derives stays in envpool's int32 range: one per process (torchrun: seed +
+    # rank), per env of every seed, and evaluation's seed + 10000.
+    world_size = os.environ.get("WORLD_SIZE", "1")
+    world_size = int(world_size) if world_size.isdigit() else 1
+    num_envs = getattr(args, "num_envs", 1)
+    limit = 2**31 - world_size - num_seeds * num_envs - 10_000
+    if not 0 <= args.seed < limit:
+        seeds = f"--num-seeds {num_seeds} x " if hasattr(args, "num_seeds") else ""
+        fail(
+            f"--seed {args.seed} is out of range: seed + {world_size} processes + {seeds}--num-envs {num_envs} + 10000 "
+            f"(evaluation) must stay below 2**31: use a seed in [0, {limit})"
+        )
+    name = args.exp_name
+    if not name or name.startswith(".") or "/" in name or "\\" in name or not name.isprintable():
+        fail(f"--exp-name {name!r} is not a plain file name: use letters, digits, '-' or '_' (no separator, no leading dot)")
+
+
+def check_open_files(num_seeds):
+    """One line, before any folder is made, for more seeds than the process may hold files open."""
+    if resource is None or num_seeds == 1:
+        return
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    process = psutil.Process()
+    needed = FILES_PER_SEED * num_seeds + (process.num_fds() if hasattr(process, "num_fds") else 0) + 64
+    if limit != resource.RLIM_INFINITY and needed > limit:
+        fail(
+            f"--num-seeds {num_seeds} needs about {needed} open files ({FILES_PER_SEED} per seed) and this process "
+            f"may open {limit}: use fewer seeds, or raise the limit (ulimit -n)"
+        )
 
 
 def check_memory(nbytes, device, what):
@@ -131,9 +166,19 @@ def value_guards(entries):
 
 
 def atomic_save(obj, path):
-    """Write then rename: a crash mid-save leaves the previous file whole, never a broken one."""
-    torch.save(obj, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    """Write then rename: a crash mid-save leaves the previous file whole, never a broken one, and a
+    failed save (a full disk, an interrupt) leaves no `.tmp` behind."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())  # a full disk or quota may only show here (NFS: at close)
+        os.replace(tmp, path)
+    except BaseException:
+        with suppress(OSError):
+            os.remove(tmp)
+        raise
     return path
 
 
@@ -150,18 +195,33 @@ def load_checkpoint(path, networks, env_id, algorithm):
     except Exception as e:  # torch.load raises many types for a file that is no checkpoint
         fail(f"cannot load {path!r} ({type(e).__name__}): pass a file written by --save-model of {algorithm}")
     saved = checkpoint.get("algorithm") if isinstance(checkpoint, dict) else None
-    if saved != algorithm:
-        fail(f"{path!r} is not a {algorithm} checkpoint ({saved or 'unknown'}): pass one saved by {algorithm}")
+    if not isinstance(saved, str) or saved != algorithm:
+        saved = saved if isinstance(saved, str) and saved else "unknown"
+        fail(f"{path!r} is not a {algorithm} checkpoint ({saved}): pass one saved by {algorithm}")
+    model, saved_env = checkpoint.get("model"), checkpoint.get("env_id")
+    states = model.values() if isinstance(model, dict) else [None]
+    if not isinstance(saved_env, str) or not all(
+        isinstance(sd, dict) and all(isinstance(v, torch.Tensor) for v in sd.values()) for sd in states
+    ):
+        fail(
+            f"{path!r} is a malformed {algorithm} checkpoint (no env_id, or weights not tensors): pass one --save-model wrote"
+        )
+    for name, sd in model.items():
+        if not all(v.isfinite().all() for v in sd.values()):
+            fail(f"{path!r} holds non-finite weights (NaN or Inf) in {name}: pass a checkpoint of a run that stayed finite")
     try:
         for name, network in networks.items():
-            network.load_state_dict(checkpoint["model"][name])
-    except (KeyError, RuntimeError):
-        saved_env = checkpoint["env_id"]
+            network.load_state_dict(model[name])
+    except (KeyError, RuntimeError, ValueError, IndexError):
         hint = f"pass --env-id {saved_env}" if saved_env != env_id else "use the sizes it was trained with"
-        fail(f"{path!r} holds {algorithm} networks for {checkpoint['env_id']} of other sizes: {hint}")
+        fail(f"{path!r} holds {algorithm} networks for {saved_env} of other sizes: {hint}")
 
 
 # ---------------------------------------------------------------- RUN
+
+# Runs whose folder this process made and that have not reached a log point: a refusal (`fail`)
+# removes their folders.
+FRESH_RUNS = set()
 
 
 class Run:
@@ -180,7 +240,7 @@ class Run:
         self.time = lead.time if lead else int(time.time())
         self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{self.time}"
         self.dir = f"runs/{self.name}"
-        self.wandb = self.writer = self.last_good = self.stop_reason = self.warmup_s = self.last_sps = None
+        self.wandb = self.writer = self.last_good = self.stop_reason = self.save_error = self.warmup_s = self.last_sps = None
         self.interrupted, self.returns, self.points = False, deque(maxlen=10), []
         self.step = self.updates = self.warm_step = 0
         self.total_steps, self.bar = total_steps, None
@@ -198,8 +258,9 @@ class Run:
                 fail("--track needs wandb: pip install wandb (or the extra leanrl[track])")
             self.wandb = wandb
         try:
-            os.makedirs(self.dir, exist_ok=True)
-            self.curve = open(f"{self.dir}/curve.csv", "w")
+            self.make_dir()
+            # Line-buffered: each log point's row is in the file at once, whatever kills the run later.
+            self.curve = open(f"{self.dir}/curve.csv", "w", buffering=1)
         except OSError as e:
             fail(f"cannot write {self.dir} ({e.strerror}): run from a folder you can write to")
         self.curve.write("step,seconds,episodic_return\n")
@@ -221,6 +282,38 @@ class Run:
             self.wandb = self.wandb.init(
                 project=project, entity=entity, config=config, name=self.name, save_code=True, **seeds
             )
+
+    def make_dir(self):
+        """runs/<name>, made exclusively: a run started in the same second with the same env, exp
+        name and seed (a sweep varying another flag) gets <name>__2, then __3, ..."""
+        base = self.name
+        for k in itertools.count(2):
+            try:
+                os.makedirs(self.dir)
+                break
+            except FileExistsError:
+                self.name = f"{base}__{k}"
+                self.dir = f"runs/{self.name}"
+        self.made = os.path.abspath("runs"), os.path.abspath(self.dir)
+        FRESH_RUNS.add(self)
+
+    def discard(self):
+        """The folder of a run refused before its first log point, if it holds only what Run wrote
+        there, and the parents under runs/ that it leaves empty."""
+        FRESH_RUNS.discard(self)
+        if getattr(self, "curve", None):
+            self.curve.close()
+        if self.writer:
+            self.writer.close()
+        if self.wandb:
+            self.wandb.finish(exit_code=2)
+        root, folder = self.made
+        with suppress(OSError):
+            if all(p.name == "curve.csv" or p.name.startswith("events.out.tfevents.") for p in Path(folder).iterdir()):
+                shutil.rmtree(folder)
+                while len(folder) > len(root):
+                    folder = os.path.dirname(folder)
+                    os.rmdir(folder)
 
     def load(self, networks):
         """--load-model into `networks` (name -> module)."""
@@ -302,6 +395,7 @@ class Run:
     def log(self, step, updates, metrics, networks):
         """A log point: steps/s (from the first one with `warmup_updates` updates done, when every
         compiled callable has run), bar, curve, metrics, and with --save-model the weights if finite."""
+        FRESH_RUNS.discard(self)
         if self.bar is None:
             hidden = not self.main or self.lead is not self
             self.bar = tqdm.tqdm(total=self.total_steps * len(self.seeds), file=sys.stderr, disable=hidden)
@@ -329,8 +423,15 @@ class Run:
         Ctrl-C, 143 after SIGTERM; a checkpoint is only ever saved from finite weights."""
         self.step, self.updates = step, updates
         end_sps, wall_s = self.last_sps, time.perf_counter() - self.start
-        # A second Ctrl-C or SIGTERM must not break the save or the summary (evaluation aside).
-        handlers = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        FRESH_RUNS.discard(self)
+
+        def note_signal(signum, frame):
+            """Ctrl-C or SIGTERM must not break the save or the summary: noted (no evaluation
+            follows; the summary and the exit status tell it), not raised."""
+            self.interrupted = self.interrupted or signal.Signals(signum)
+            self.lead.interrupted = self.lead.interrupted or self.interrupted
+
+        handlers = signal.signal(signal.SIGINT, note_signal), signal.signal(signal.SIGTERM, note_signal)
         if self.bar:
             self.bar.close()
         if self.interrupted and self.main and self.lead is self:
@@ -346,8 +447,11 @@ class Run:
                 # A copy: a seed's weights are a view of all seeds' storage, which torch.save writes whole.
                 model = {name: {k: v.detach().to("cpu", copy=True) for k, v in sd.items()} for name, sd in state.items()}
                 saved = {"algorithm": self.algorithm, "env_id": self.args.env_id, "args": vars(self.args), "model": model}
-                checkpoint = atomic_save(saved, f"{self.dir}/{self.args.exp_name}.pt")
-                print(f"notice: model saved to {checkpoint}", file=sys.stderr)
+                try:
+                    checkpoint = atomic_save(saved, f"{self.dir}/{self.args.exp_name}.pt")
+                    print(f"notice: model saved to {checkpoint}", file=sys.stderr)
+                except OSError as e:  # a full disk, a quota, a folder made read-only
+                    self.save_error = f"cannot save {self.dir}/{self.args.exp_name}.pt ({e.strerror or e}): nothing saved"
         eval_return, stopped = None, self.stop_reason or self.interrupted or self.lead.interrupted
         if self.args.eval_episodes > 0 and self.main and not stopped:
             signal.signal(signal.SIGINT, handlers[0])
@@ -357,8 +461,8 @@ class Run:
             except KeyboardInterrupt:
                 self.interrupted = self.interrupted or signal.SIGINT
                 self.lead.interrupted = self.lead.interrupted or self.interrupted
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, note_signal)
+            signal.signal(signal.SIGTERM, note_signal)
         self.curve.close()
         self.write()
         if self.writer:
@@ -371,9 +475,10 @@ class Run:
             signal.signal(signal.SIGTERM, handlers[1])
             return
         returns, evals = self.seed_returns(), [run.eval_return for run in self.seeds]
+        save_errors = [run.save_error for run in self.seeds if run.save_error]
         found = [m for m in returns if m is not None]
         rounded = {"episodic_returns": returns, "eval_returns": evals}
-        per_seed = {k: [None if m is None else round(m, 3) for m in v] for k, v in rounded.items()}
+        per_seed = {k: [round(m, 3) if m is not None and math.isfinite(m) else None for m in v] for k, v in rounded.items()}
         summary = {
             "script": self.script, "env_id": self.args.env_id, "seed": self.args.seed, "num_seeds": len(self.seeds),
             "compile": getattr(self.args, "compile", False), "cudagraphs": False, **fields,
@@ -382,6 +487,7 @@ class Run:
             **(per_seed if len(self.seeds) > 1 else {}),
             "eval_return": np.mean(evals) if None not in evals else None, "peak_rss_mb": peak_rss_mb(),
             "interrupted": bool(self.interrupted), "checkpoint": checkpoint, "run_dir": self.dir,
+            **({"save_failed": True} if save_errors else {}),
         }  # fmt: skip
         # Strict JSON: non-finite numbers become null.
         summary = {
@@ -392,7 +498,11 @@ class Run:
             print(json.dumps(summary), flush=True)
         if self.stop_reason:
             print(f"error: {self.stop_reason}", file=sys.stderr)
-        code = 1 if self.stop_reason else (143 if self.interrupted == signal.SIGTERM else 130) if self.interrupted else 0
+        if save_errors:
+            more = f" (and {len(save_errors) - 1} more seeds)" if len(save_errors) > 1 else ""
+            print(f"error: {save_errors[0]}{more}", file=sys.stderr)
+        failed = self.stop_reason or save_errors
+        code = 1 if failed else (143 if self.interrupted == signal.SIGTERM else 130) if self.interrupted else 0
         if fields.get("world_size", 1) > 1:
             # Everything is saved, closed and printed. A gloo rank that reaches interpreter
             # teardown can abort there (SIGABRT, "terminate called without an active exception"),
@@ -406,8 +516,9 @@ class Run:
 
 def seed_runs(args, total_steps, script, rank=0):
     """One Run per seed of --num-seeds (seeds seed ... seed + num_seeds - 1), the first the lead."""
-    lead = Run(args, total_steps, script, rank=rank)
     num_seeds = getattr(args, "num_seeds", 1)
+    check_open_files(num_seeds)
+    lead = Run(args, total_steps, script, rank=rank)
     return [lead] + [Run(replace(args, seed=args.seed + k), total_steps, script, lead=lead) for k in range(1, num_seeds)]
 
 

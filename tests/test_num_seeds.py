@@ -819,13 +819,13 @@ BAD = {
     "dqn-zero": (PATH, ["--num-seeds", 0], ["--num-seeds", "1 or more"]),
     "dqn-no-memory": (PATH, ["--num-seeds", 4, "--buffer-size", 10**12], ["--num-seeds 4", "GiB"]),
     "pqn-zero": (PQN_PATH, ["--num-seeds", 0], ["--num-seeds", "1 or more"]),
-    "pqn-seed-overflow": (PQN_PATH, ["--num-seeds", 2, "--seed", 2**32 - 1], ["--num-seeds 2", "2**32"]),
+    "pqn-seed-overflow": (PQN_PATH, ["--num-seeds", 2, "--seed", 2**32 - 1], ["--num-seeds 2", "2**31"]),
     "pqn-no-memory": (PQN_PATH, ["--num-seeds", 10**6], ["--num-seeds 1000000", "GiB"]),
     "ppo-target-kl": (PPO_PATH, ["--num-seeds", 2, "--target-kl", 0.01], ["--target-kl", "--num-seeds 1"]),
     "ppo-no-memory": (PPO_PATH, ["--num-seeds", 10**6], ["--num-seeds 1000000", "GiB"]),
     "atari-zero": (ATARI_PATH, ["--num-seeds", 0], ["--num-seeds", "1 or more"]),
     "atari-target-kl": (ATARI_PATH, ["--num-seeds", 2, "--target-kl", 0.01], ["--target-kl", "--num-seeds 1"]),
-    "atari-seed-overflow": (ATARI_PATH, ["--num-seeds", 2, "--seed", 2**32 - 1], ["--num-seeds 2", "2**32"]),
+    "atari-seed-overflow": (ATARI_PATH, ["--num-seeds", 2, "--seed", 2**32 - 1], ["--num-seeds 2", "2**31"]),
     "atari-no-memory": (ATARI_PATH, ["--num-seeds", 10**6], ["--num-seeds 1000000", "GiB"]),
 }
 

@@ -5,7 +5,6 @@ scripts on a platform without `resource` and `signal.pthread_sigmask` (Windows).
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
@@ -25,7 +24,7 @@ def test_atomic_save_never_exposes_a_partial_file(tmp_path, monkeypatch):
     leanrl_utils.atomic_save({"w": torch.ones(3)}, path)
 
     def crash(obj, f, *args, **kwargs):
-        Path(f).write_bytes(b"half a checkpoint")
+        f.write(b"half a checkpoint")  # atomic_save hands torch.save its open .tmp file
         raise OSError("disk full")
 
     monkeypatch.setattr(leanrl_utils.torch, "save", crash)
