@@ -5,6 +5,7 @@ stacking, the forms of a network derived from its `nn.Module`, env wrappers and 
 A script copied out of the repository runs wherever this module is installed (`pip install leanrl`).
 """
 
+import functools
 import itertools
 import json
 import math
@@ -34,6 +35,24 @@ try:  # POSIX only: peak memory comes from psutil elsewhere (Windows)
 except ImportError:
     resource = None
 
+
+def interrupted_before_the_run(kind, value, traceback, previous=sys.excepthook):
+    """Ctrl-C after this module is imported and before a Run exists (parsing or checking flags,
+    making a probe env): one line and exit status 130, not a traceback. A Run installs its own
+    hook; Ctrl-C while the script imports torch, before this module, still gets Python's."""
+    interrupt = value
+    while interrupt is not None and not isinstance(interrupt, KeyboardInterrupt):
+        interrupt = interrupt.__cause__
+    if interrupt is None:
+        return previous(kind, value, traceback)
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # under torchrun, one line for all ranks
+        sys.stderr.write("notice: interrupted before the run started; nothing to save\n")
+        sys.stderr.flush()
+    os._exit(130)
+
+
+sys.excepthook = interrupted_before_the_run
+
 # ---------------------------------------------------------------- ARGUMENTS
 
 # One rule per flag, the same in every script that has the flag.
@@ -58,10 +77,13 @@ RULES = {
 }
 
 
-def fail(message):
-    """Bad input ends the run with one line on stderr and exit status 2, never a traceback. A run
-    folder made for a run refused before its first log point goes too."""
-    sys.stderr.write(f"error: {message}\n")  # one write: ranks sharing a stderr cannot split it
+def fail(message, every_rank=False):
+    """Bad input ends the run with one line on stderr and exit status 2, never a traceback. Under
+    torchrun every rank exits 2, but only LOCAL_RANK 0 says why (every rank fails the same input),
+    unless `every_rank`: a failure of this rank's own. A run folder made for a run refused before
+    its first log point goes too."""
+    if every_rank or os.environ.get("LOCAL_RANK", "0") == "0":
+        sys.stderr.write(f"error: {message}\n")  # one write: ranks sharing a stderr cannot split it
     for run in list(FRESH_RUNS):
         run.discard()
     sys.exit(2)
@@ -71,12 +93,16 @@ def fail(message):
 FILES_PER_SEED = 4
 
 
-def check_args(args):
+def check_args(args, atari=False):
+    """The flags' rules, the budget and the env (`atari`: an envpool game), before any work."""
     for name, value in vars(args).items():
         if name in RULES and not RULES[name][0](value):
             fail(f"--{name.replace('_', '-')} {value} is out of range: use {RULES[name][1]}")
-    if args.total_timesteps == 0 and not args.load_model:
-        fail("--total-timesteps 0 trains nothing: give a budget, or --load-model to evaluate a checkpoint")
+    if args.total_timesteps == 0 and not (args.load_model and args.eval_episodes > 0):
+        fail(
+            "--total-timesteps 0 trains nothing and only evaluates: pass --load-model PATH and --eval-episodes N, or a budget"
+        )
+    check_budget(args)
     num_seeds = getattr(args, "num_seeds", 1)
     # Every seed a run derives stays in envpool's int32 range: one per process (torchrun: seed +
     # rank), per env of every seed, and evaluation's seed + 10000.
@@ -93,6 +119,7 @@ def check_args(args):
     name = args.exp_name
     if not name or name.startswith(".") or "/" in name or "\\" in name or not name.isprintable():
         fail(f"--exp-name {name!r} is not a plain file name: use letters, digits, '-' or '_' (no separator, no leading dot)")
+    check_env(args.env_id, atari, example=getattr(type(args), "env_id", None))
 
 
 def check_open_files(num_seeds):
@@ -107,6 +134,62 @@ def check_open_files(num_seeds):
             f"--num-seeds {num_seeds} needs about {needed} open files ({FILES_PER_SEED} per seed) and this process "
             f"may open {limit}: use fewer seeds, or raise the limit (ulimit -n)"
         )
+
+
+def check_budget(args):
+    """Off-policy scripts learn from the first step past --learning-starts: a budget that ends
+    before it would save an untrained model."""
+    if not hasattr(args, "learning_starts") or args.total_timesteps == 0:
+        return
+    n, starts = args.num_envs, args.learning_starts
+    if args.total_timesteps // n * n <= starts:  # the loop's last step is the budget's last whole step of every env
+        fail(
+            f"--total-timesteps {args.total_timesteps} ends before learning starts (--learning-starts {starts}), "
+            f"so nothing would be trained: give at least {(starts // n + 1) * n} or a smaller --learning-starts"
+        )
+
+
+def check_env(env_id, atari=False, example=None):
+    """One line, before the run's folder exists, for an --env-id that cannot be made here: an
+    envpool Atari game is looked up in envpool's list, a gymnasium env is made once (`env_sizes`)."""
+    if atari:
+        try:
+            import envpool
+        except ImportError:
+            fail("this script needs envpool for its Atari games: pip install 'leanrl[atari]'")
+        if env_id not in envpool.list_all_envs() or not hasattr(envpool.make_spec(env_id).config, "episodic_life"):
+            fail(f"unknown Atari id {env_id!r}: pass --env-id with an envpool Atari game, e.g. Breakout-v5 or Pong-v5")
+        return
+    if env_id not in gym.registry:
+        fail(
+            f"unknown environment id {env_id!r}: pass --env-id with a registered gymnasium id, e.g. {example or 'CartPole-v1'}"
+        )
+    env_sizes(env_id)
+
+
+@functools.cache
+def env_sizes(env_id):
+    """The flat sizes of a gymnasium env's observation and action (a discrete action: 1), from one
+    env made here; an env that cannot be made (a missing package, a retired version) is one line."""
+    try:
+        env = gym.make(env_id)
+    except Exception as e:  # gymnasium raises many types: ImportError, DependencyNotInstalled, Error
+        line = (str(e).strip().splitlines() or [""])[0][:200]
+        fail(f"--env-id {env_id} cannot be made here ({type(e).__name__}: {line}): install what it needs, or pass another id")
+    sizes = gym.spaces.flatdim(env.observation_space), math.prod(env.action_space.shape or ())
+    env.close()
+    return sizes
+
+
+def check_rollout(args, row_bytes, device=None, per_env=0, per_seed=0):
+    """One line, before any env or tensor is made, for rollout storage that will not fit, as
+    check_memory does for the replay buffers: `row_bytes` per step of each env, `per_env` per env
+    (the env itself), `per_seed` per seed of --num-seeds; on --cuda's device unless `device`."""
+    device = device or torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    num_seeds = getattr(args, "num_seeds", 1)
+    nbytes = num_seeds * (args.num_envs * (args.num_steps * row_bytes + per_env) + per_seed)
+    seeds = f" x --num-seeds {num_seeds}" if num_seeds > 1 else ""
+    check_memory(nbytes, device, f"the rollout of --num-steps {args.num_steps} x --num-envs {args.num_envs}{seeds}")
 
 
 def check_memory(nbytes, device, what):
@@ -247,6 +330,8 @@ class Run:
         self.start = self.warm_time = time.perf_counter()
         if not lead:
             signal.signal(signal.SIGTERM, self.on_sigterm)
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where a shell ignores it
+                signal.signal(signal.SIGINT, self.on_sigint)
             sys.excepthook = self.on_uncaught
         if not self.main:
             self.curve = open(os.devnull, "w")
@@ -318,6 +403,12 @@ class Run:
     def load(self, networks):
         """--load-model into `networks` (name -> module)."""
         load_checkpoint(self.args.load_model, networks, self.args.env_id, self.algorithm)
+
+    def on_sigint(self, signum, frame):
+        """Ctrl-C ends the run as an interrupted one, saving first; a second waits for the save:
+        under torchrun each rank gets the terminal's Ctrl-C and then torchrun's own."""
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
 
     def on_sigterm(self, signum, frame):
         """Schedulers stop jobs with SIGTERM: end the run as Ctrl-C does, saving first."""
@@ -907,12 +998,9 @@ def envpool_envs(env_id, num_envs, seed, capture_video=False, video_folder=None)
     what is missing."""
     import importlib.util
 
-    try:
-        import envpool
-    except ImportError:
-        fail("this script needs envpool for its Atari games: pip install 'leanrl[atari]'")
-    if env_id not in envpool.list_all_envs() or not hasattr(envpool.make_spec(env_id).config, "episodic_life"):
-        fail(f"unknown Atari id {env_id!r}: pass --env-id with an envpool Atari game, e.g. Breakout-v5 or Pong-v5")
+    check_env(env_id, atari=True)
+    import envpool
+
     if capture_video and importlib.util.find_spec("moviepy") is None:
         fail("--capture-video needs moviepy: pip install 'leanrl[video]'")
     render = {"render_mode": "rgb_array"} if capture_video else {}
@@ -951,7 +1039,8 @@ def init_distributed(args):
         if backend == "nccl" and local_rank >= torch.cuda.device_count():
             fail(
                 f"rank {rank} has no GPU of its own ({torch.cuda.device_count()} visible; nccl needs one per process): "
-                "start at most that many per node, or pass --backend gloo"
+                "start at most that many per node, or pass --backend gloo",
+                every_rank=True,
             )
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)

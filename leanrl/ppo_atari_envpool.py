@@ -25,7 +25,7 @@ import torch.optim as optim
 import tyro
 from torch.distributions.categorical import Categorical
 
-from leanrl_utils import Run, check_args, envpool_envs, fail
+from leanrl_utils import Run, check_args, check_rollout, envpool_envs, fail
 
 
 @dataclass
@@ -148,7 +148,7 @@ def evaluate(agent, args, run_name, device):
 
 
 def main(args: Args):
-    check_args(args)
+    check_args(args, atari=True)
     batch_size = args.num_envs * args.num_steps
     if args.total_timesteps < batch_size and not (args.total_timesteps == 0 and args.load_model):
         fail(
@@ -167,6 +167,7 @@ def main(args: Args):
             f"use at most {batch_size // 2}, or --no-norm-adv"
         )
     num_iterations = args.total_timesteps // batch_size
+    check_rollout(args, 4 * 84 * 84 + 8 + 6 * 4)  # per step of a game: uint8 frames, int64 action, 6 float32 numbers
     run = Run(args, num_iterations * batch_size, __file__)
 
     random.seed(args.seed)

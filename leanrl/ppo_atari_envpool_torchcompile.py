@@ -41,7 +41,7 @@ from leanrl_utils import (
     all_reduce_mean,
     broadcast_parameters,
     check_args,
-    check_memory,
+    check_rollout,
     envpool_envs,
     error_line,
     fail,
@@ -323,7 +323,7 @@ def evaluate(agent, args, run_name, device):
 
 
 def main(args: Args):
-    check_args(args)
+    check_args(args, atari=True)
     rank, world_size, device = init_distributed(args)
     _, cudagraphs = speed_toggles(args, rank)
     # --num-envs is per rank: a batch is num_envs * num_steps per rank, all ranks' together per update.
@@ -355,15 +355,13 @@ def main(args: Args):
                 "--target-kl stops each seed's epochs at a different point, which one stacked update cannot: "
                 "drop it or use --num-seeds 1"
             )
-        # One line before num_seeds x num_envs games are made: per step and sub-env the uint8
-        # frames and ten 4-byte numbers, in the rollout and again in the seed-major batch; per
-        # seed 4 copies of its weights (with gradients and Adam's moments) and a minibatch's
-        # activations (72k floats a frame) and their gradients; up to 2 MiB per game.
-        row_bytes = 2 * (4 * 84 * 84 + 4 * 10)
-        weights = sum(p.numel() for p in Agent(18, device="meta").parameters())
-        seed_bytes = 4 * 4 * weights + minibatch_size * 2 * 4 * 72_000
-        nbytes = num_seeds * (batch_size * row_bytes + seed_bytes + args.num_envs * 2**21)
-        check_memory(nbytes, device, f"--num-seeds {num_seeds} with --num-envs {args.num_envs}")
+    # One line before num_seeds x num_envs games are made: per step and sub-env the uint8
+    # frames and ten 4-byte numbers, in the rollout and again in the seed-major batch; per
+    # seed 4 copies of its weights (with gradients and Adam's moments) and a minibatch's
+    # activations (72k floats a frame) and their gradients; up to 2 MiB per game.
+    weights = sum(p.numel() for p in Agent(18, device="meta").parameters())
+    seed_bytes = 4 * 4 * weights + minibatch_size * 2 * 4 * 72_000
+    check_rollout(args, 2 * (4 * 84 * 84 + 4 * 10), device, per_env=2**21, per_seed=seed_bytes)
     runs = seed_runs(args, num_iterations * global_batch, __file__, rank=rank)
     run = runs[0]
 

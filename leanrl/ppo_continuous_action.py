@@ -25,7 +25,7 @@ import torch.optim as optim
 import tyro
 from torch.distributions.normal import Normal
 
-from leanrl_utils import Run, check_args, fail
+from leanrl_utils import Run, check_args, check_rollout, env_sizes, fail
 
 
 @dataclass
@@ -248,6 +248,7 @@ def main(args: Args):
             f"use at most {batch_size // 2}, or --no-norm-adv"
         )
     num_iterations = args.total_timesteps // batch_size
+    check_rollout(args, 4 * (sum(env_sizes(args.env_id)) + 6))  # per step of an env: float32 obs, action and 6 numbers
     run = Run(args, num_iterations * batch_size, __file__)
 
     random.seed(args.seed)

@@ -37,7 +37,8 @@ from leanrl_utils import (
     all_reduce_mean,
     broadcast_parameters,
     check_args,
-    check_memory,
+    check_rollout,
+    env_sizes,
     error_line,
     fail,
     finish_distributed,
@@ -459,12 +460,8 @@ def main(args: Args):
             fail("--num-seeds runs several agents in one process: under torchrun give --num-seeds 1")
         if args.target_kl is not None:
             fail("--target-kl stops each seed at another epoch, which one stacked update cannot: drop it or use --num-seeds 1")
-        # One line before the envs are made: 4 bytes for each obs, action and 6 scalars per step, 1 MiB per sub-env.
-        probe = make_envs(args, "probe", 1)
-        row_bytes = 4 * (math.prod(probe.single_observation_space.shape) + math.prod(probe.single_action_space.shape) + 6)
-        probe.close()
-        needed = num_seeds * (batch_size * row_bytes + args.num_envs * 2**20)
-        check_memory(needed, device, f"--num-seeds {num_seeds} with --num-envs {args.num_envs}")
+    # One line before the envs are made: 4 bytes for each obs, action and 6 scalars per step, 1 MiB per sub-env.
+    check_rollout(args, 4 * (sum(env_sizes(args.env_id)) + 6), device, per_env=2**20)
     runs = seed_runs(args, num_iterations * global_batch, __file__, rank=rank)
     run = runs[0]
 

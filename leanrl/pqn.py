@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import torch.optim as optim
 import tyro
 
-from leanrl_utils import Run, check_args, fail
+from leanrl_utils import Run, check_args, check_rollout, env_sizes, fail
 
 
 @dataclass
@@ -198,6 +198,7 @@ def main(args: Args):
         fail(f"--q-lambda {args.q_lambda} is out of range: use a number in [0, 1]")
     minibatch_size = batch_size // args.num_minibatches
     num_iterations = args.total_timesteps // batch_size
+    check_rollout(args, 4 * env_sizes(args.env_id)[0] + 24)  # per step of an env: float32 obs and 4 numbers, int64 action
     run = Run(args, num_iterations * batch_size, __file__)
 
     random.seed(args.seed)

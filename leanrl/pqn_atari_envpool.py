@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.optim as optim
 import tyro
 
-from leanrl_utils import Run, check_args, envpool_envs, fail
+from leanrl_utils import Run, check_args, check_rollout, envpool_envs, fail
 
 
 @dataclass
@@ -143,7 +143,7 @@ def evaluate(q_network, args, run_name, device):
 
 
 def main(args: Args):
-    check_args(args)
+    check_args(args, atari=True)
     batch_size = args.num_envs * args.num_steps
     if args.total_timesteps < batch_size and not (args.total_timesteps == 0 and args.load_model):
         fail(
@@ -159,6 +159,7 @@ def main(args: Args):
         fail(f"--q-lambda {args.q_lambda} is out of range: use a number in [0, 1]")
     minibatch_size = batch_size // args.num_minibatches
     num_iterations = args.total_timesteps // batch_size
+    check_rollout(args, 4 * 84 * 84 + 8 + 6 * 4)  # per step of a game: uint8 frames, int64 action, 6 float32 numbers
     run = Run(args, num_iterations * batch_size, __file__)
 
     random.seed(args.seed)

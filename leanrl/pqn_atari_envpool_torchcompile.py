@@ -33,6 +33,7 @@ from tensordict.nn import CudaGraphModule
 from leanrl_utils import (
     RAdam,
     check_args,
+    check_rollout,
     envpool_envs,
     fail,
     finish_seeds,
@@ -251,7 +252,7 @@ def evaluate(q_network, args, run_name, device):
 
 
 def main(args: Args):
-    check_args(args)
+    check_args(args, atari=True)
     batch_size = args.num_envs * args.num_steps
     if args.total_timesteps < batch_size and not (args.total_timesteps == 0 and args.load_model):
         fail(
@@ -268,6 +269,7 @@ def main(args: Args):
     minibatch_size = batch_size // args.num_minibatches
     num_iterations = args.total_timesteps // batch_size
     device, cudagraphs = speed_toggles(args)
+    check_rollout(args, 4 * 84 * 84 + 8 + 10 * 4, device)  # per step of a game: uint8 frames, int64 action, 10 numbers
     runs = seed_runs(args, num_iterations * batch_size, __file__)
     run = runs[0]
 

@@ -39,7 +39,8 @@ from leanrl_utils import (
     RAdam,
     SameStepEnvs,
     check_args,
-    check_memory,
+    check_rollout,
+    env_sizes,
     fail,
     finish_seeds,
     host_arrays,
@@ -323,15 +324,10 @@ def main(args: Args):
     minibatch_size = batch_size // args.num_minibatches
     num_seeds, num_iterations = args.num_seeds, args.total_timesteps // batch_size
     device, cudagraphs = speed_toggles(args)
-    if num_seeds > 1:
-        # One line before num_seeds x num_envs envs are made: per step of a sub-env, float32 obs
-        # (three copies), values, rewards, dones and returns, an int64 action and a row of the
-        # returns' triangular solve; 16 KiB per sub-env for the env itself.
-        probe = make_envs(args, "probe", 1)
-        row_bytes = 12 * math.prod(probe.single_observation_space.shape) + 24 + 4 * args.num_steps
-        probe.close()
-        what = f"--num-seeds {num_seeds} with --num-envs {args.num_envs}"
-        check_memory(num_seeds * args.num_envs * (args.num_steps * row_bytes + 2**14), device, what)
+    # One line before num_seeds x num_envs envs are made: per step of a sub-env, float32 obs
+    # (three copies), values, rewards, dones and returns, an int64 action and a row of the
+    # returns' triangular solve; 16 KiB per sub-env for the env itself.
+    check_rollout(args, 12 * env_sizes(args.env_id)[0] + 24 + 4 * args.num_steps, device, per_env=2**14)
     runs = seed_runs(args, num_iterations * batch_size, __file__)
     run = runs[0]
 

@@ -505,7 +505,9 @@ BAD_INPUT = {
 @pytest.mark.parametrize("script", PAIR, ids=lambda s: s.stem)
 def test_bad_input_is_one_line(script, case, workdir):
     argv, words = BAD_INPUT[case]
-    _, proc = run_script(script, "--total-timesteps", "100", *argv, cwd=workdir, check=False, timeout=120)
+    _, proc = run_script(
+        script, "--total-timesteps", "100", "--learning-starts", "50", *argv, cwd=workdir, check=False, timeout=120
+    )
     assert proc.returncode == 2
     assert_one_line_error(proc, *words)
 

@@ -1,0 +1,241 @@
+"""Nothing lost, part two, the scripts' side (issue 48, every script from a glob): a budget that
+trains nothing, evaluation only, rollout storage against memory, env ids that cannot be made,
+bad input and Ctrl-C under torchrun, Ctrl-C before the run exists. Each refusal is one `error:`
+line and exit status 2 before any work: no run folder, no large allocation."""
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+from conftest import TINY, family, load_script, main_in_process, script_command, scripts
+from test_torchrun import LEAN_PPO, TORCHRUN, summaries, torchrun
+
+import leanrl_utils
+
+ALL = scripts("*.py")
+OFF_POLICY = [s for s in ALL if family(s) in ("dqn", "sac_continuous_action", "td3_continuous_action")]
+ROLLOUT = [s for s in ALL if family(s) in ("ppo_continuous_action", "ppo_atari_envpool", "pqn", "pqn_atari_envpool")]
+ATARI = [s for s in ALL if family(s).endswith("_envpool")]
+GYM = [s for s in ALL if s not in ATARI]
+
+
+def refused(script, *argv, tmp_path, monkeypatch, capsys):
+    """The script's main at its tiny settings plus `argv`, in this process, where starting the run
+    (Run, seed_runs) fails the test; returns the one `error:` line it ended with (exit 2), after
+    checking that nothing was set up, trained or allocated (peak memory within 1 GiB)."""
+    module = load_script(script)
+
+    def started(*args, **kwargs):
+        pytest.fail("the run started: the refusal came after the run's folder")
+
+    for name in ("Run", "seed_runs"):
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, started)
+    peak = leanrl_utils.peak_rss_mb()
+    code = main_in_process(module, *map(str, argv), tmp_path=tmp_path, monkeypatch=monkeypatch)
+    out, err = capsys.readouterr()
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, (code, err)
+    assert out.strip() == "" and not (tmp_path / "runs").exists(), out
+    assert leanrl_utils.peak_rss_mb() < peak + 1024
+    return errors[0]
+
+
+# ---------------------------------------------------------------- a budget that ends before learning
+
+
+@pytest.mark.parametrize(
+    "total, starts",
+    [(300, 5000), (2000, 10_000), (100, 100)],
+    ids=["sac-issue", "dqn-default-issue", "last-step-is-learning-starts"],
+)
+@pytest.mark.parametrize("script", OFF_POLICY, ids=lambda s: s.stem)
+def test_budget_that_ends_before_learning_starts_is_refused(script, total, starts, tmp_path, monkeypatch, capsys):
+    argv = ["--total-timesteps", total, "--learning-starts", starts]
+    error = refused(script, *argv, tmp_path=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    for words in (f"--total-timesteps {total}", f"--learning-starts {starts}", "nothing would be trained"):
+        assert words in error, error
+
+
+# (total, learning_starts, num_envs) -> refused: the loop's last step must pass learning_starts.
+BUDGETS = {
+    (100, 100, 1): True,
+    (101, 100, 1): False,
+    (11, 8, 4): True,  # two iterations of 4 envs: steps 4 and 8
+    (12, 8, 4): False,
+    (0, 5000, 1): False,  # evaluation only: its own rule
+}
+
+
+@pytest.mark.parametrize("budget", BUDGETS, ids=str)
+def test_check_budget_at_its_boundary(budget):
+    total, starts, num_envs = budget
+    args = types.SimpleNamespace(total_timesteps=total, learning_starts=starts, num_envs=num_envs)
+    if BUDGETS[budget]:
+        with pytest.raises(SystemExit):
+            leanrl_utils.check_budget(args)
+    else:
+        leanrl_utils.check_budget(args)
+    leanrl_utils.check_budget(types.SimpleNamespace(total_timesteps=1, num_envs=1))  # on-policy: no such rule
+
+
+# ---------------------------------------------------------------- --total-timesteps 0 only evaluates
+
+
+@pytest.mark.parametrize(
+    "argv", [["--load-model", "model.pt"], ["--eval-episodes", 2], []], ids=["no-eval-episodes", "no-load-model", "neither"]
+)
+@pytest.mark.parametrize("script", ALL, ids=lambda s: s.stem)
+def test_zero_budget_is_evaluation_only(script, argv, tmp_path, monkeypatch, capsys):
+    error = refused(script, "--total-timesteps", 0, *argv, tmp_path=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    for words in ("--total-timesteps 0", "--load-model", "--eval-episodes"):
+        assert words in error, error
+
+
+# ---------------------------------------------------------------- rollout storage against memory
+
+
+@pytest.mark.parametrize("flag, value", [("--num-steps", 10**12), ("--num-envs", 10**10)], ids=["num-steps", "num-envs"])
+@pytest.mark.parametrize("script", ROLLOUT, ids=lambda s: s.stem)
+def test_rollout_beyond_memory_is_one_line_before_allocating(script, flag, value, tmp_path, monkeypatch, capsys):
+    tiny = TINY[family(script)]
+    num_envs = int(tiny[tiny.index("--num-envs") + 1]) if "--num-envs" in tiny else 1
+    num_steps = int(tiny[tiny.index("--num-steps") + 1])
+    sizes = {"--num-steps": num_steps, "--num-envs": num_envs, flag: value}
+    argv = [flag, value, "--total-timesteps", sizes["--num-steps"] * sizes["--num-envs"]]
+    error = refused(script, *argv, tmp_path=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    assert f"{flag} {value}" in error and "GiB" in error, error
+
+
+# ---------------------------------------------------------------- env ids that cannot be made
+
+BAD_ENVS = {
+    "needs-jax": ("phys2d/CartPole-v1", ["jax", "install"]),
+    "retired-mujoco-py": ("Humanoid-v2", ["gymnasium-robotics", "install"]),
+    "unknown": ("NoSuchEnv-v0", ["unknown", "--env-id"]),
+}
+BAD_GAMES = {"unknown": ("NoSuchGame-v5", ["unknown Atari id"]), "not-a-game": ("CartPole-v1", ["unknown Atari id"])}
+
+
+@pytest.mark.parametrize("case", BAD_ENVS)
+@pytest.mark.parametrize("script", GYM, ids=lambda s: s.stem)
+def test_env_that_cannot_be_made_is_one_line_before_the_run_folder(script, case, tmp_path, monkeypatch, capsys):
+    env_id, words = BAD_ENVS[case]
+    error = refused(script, "--env-id", env_id, tmp_path=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    for word in [env_id, *words]:
+        assert word in error, error
+
+
+@pytest.mark.parametrize("case", BAD_GAMES)
+@pytest.mark.parametrize("script", ATARI, ids=lambda s: s.stem)
+def test_unknown_atari_game_is_one_line_before_the_run_folder(script, case, tmp_path, monkeypatch, capsys):
+    env_id, words = BAD_GAMES[case]
+    error = refused(script, "--env-id", env_id, tmp_path=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    for word in [env_id, *words]:
+        assert word in error, error
+
+
+# ---------------------------------------------------------------- Ctrl-C before the run exists
+
+# Python source run before the script: a real SIGINT arrives at a point after leanrl_utils is
+# imported and before the run exists.
+CTRL_C_BEFORE_THE_RUN = {
+    "parsing-flags": "import os, signal, time, tyro\n"
+    "tyro.cli = lambda *a, **k: (os.kill(os.getpid(), signal.SIGINT), time.sleep(30))",
+    "checking-flags": "import os, signal, time, leanrl_utils\n"
+    "leanrl_utils.check_args = lambda *a, **k: (os.kill(os.getpid(), signal.SIGINT), time.sleep(30))",
+}
+
+
+@pytest.mark.parametrize("case", CTRL_C_BEFORE_THE_RUN)
+@pytest.mark.parametrize("script", [s for s in ALL if not family(s).endswith("_envpool")][:2], ids=lambda s: s.stem)
+def test_ctrl_c_before_the_run_is_one_line_and_130(script, case, tmp_path):
+    proc = subprocess.run(
+        script_command(script, before=CTRL_C_BEFORE_THE_RUN[case]),
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines() == ["notice: interrupted before the run started; nothing to save"], proc.stderr
+    assert proc.stdout == "" and not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------------- torchrun: one line, and Ctrl-C
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--learning-rate", "nan"], ["--learning-rate nan"]),
+        (["--total-timesteps", "64"], ["--total-timesteps 64", "2 ranks = 128"]),
+        (["--env-id", "NoSuchEnv-v0"], ["NoSuchEnv-v0", "unknown"]),
+    ],
+    ids=["flag-rule", "batch-rule", "unknown-env"],
+)
+def test_bad_input_under_torchrun_is_one_line_from_rank_0(argv, words, workdir):
+    script = scripts("ppo_continuous_action_torchcompile.py")[0]
+    proc = torchrun(script, *TINY[family(script)], *argv, cwd=workdir)
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("error:"), proc.stderr
+    for word in words:
+        assert word in errors[0], errors[0]
+    # torchrun reports each rank's exit status; its own report of a failed child cannot be helped
+    assert proc.stderr.count("exitcode  : 2") >= 1 and "[rank0]: Traceback" not in proc.stderr, proc.stderr
+    assert not (workdir / "runs").exists()
+
+
+# Python source run before the script on each rank: right after the terminal's Ctrl-C, torchrun's
+# own SIGINT reaches the rank (torchrun forwards the signal it got), while the rank ends its loop.
+FORWARDED = """
+import os, signal, time, leanrl_utils
+interrupt = leanrl_utils.Run.interrupt
+def forwarded(self):
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.5)
+    return interrupt(self)
+leanrl_utils.Run.interrupt = forwarded
+"""
+
+
+def test_ctrl_c_to_the_torchrun_group_saves_and_exits_130(workdir):
+    """Ctrl-C in a terminal reaches torchrun and every rank: rank 0 saves, prints its summary, and
+    every rank exits 130 without a traceback (torchrun's own SignalException report aside)."""
+    script = LEAN_PPO[0]
+    tiny = TINY[family(script)]
+    i = tiny.index("--total-timesteps")
+    argv = [*tiny[:i], *tiny[i + 2 :], "--total-timesteps", "10000000", "--save-model"]
+    # Each rank's exit status goes to a file: torchrun reports none once it got a signal itself.
+    wrapper = f'{shlex.quote(sys.executable)} -c "$LEANRL_TEST_SOURCE" "$@"; echo $? > "status$RANK"'
+    err_path = workdir / "stderr.txt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
+    with open(err_path, "w") as err_file:
+        proc = subprocess.Popen(
+            [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "--no-python", "bash", "-c", wrapper, "bash"]
+            + [str(script), *argv],
+            cwd=workdir,
+            stdout=subprocess.PIPE,
+            stderr=err_file,
+            text=True,
+            start_new_session=True,  # its own process group, as a terminal's foreground job
+            env={**env, "LEANRL_TEST_SOURCE": script_command(script, before=FORWARDED)[2]},
+        )
+        deadline = time.monotonic() + 300
+        while "sps=" not in err_path.read_text() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.5)  # the first log point: the ranks are in their training loop
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=180)
+    err = err_path.read_text()
+    (summary,) = summaries(types.SimpleNamespace(stdout=out))
+    assert summary["interrupted"] is True and summary["checkpoint"], summary
+    assert (workdir / summary["checkpoint"]).exists()
+    assert [(workdir / f"status{r}").read_text().strip() for r in (0, 1)] == ["130", "130"], err[-3000:]
+    assert "KeyboardInterrupt" not in err and err.count("Traceback") <= err.count("SignalException: Process"), err[-3000:]
