@@ -510,8 +510,8 @@ class Run:
                 self.last_good = state
 
     def finish(self, step, updates, networks, evaluate, **fields):
-        """Save, evaluate, close and print the summary. Exit 1 after a non-finite loss, 130 after
-        Ctrl-C, 143 after SIGTERM; a checkpoint is only ever saved from finite weights."""
+        """Save, evaluate, close and print the summary. Exit 1 after a non-finite loss or a failed
+        save, 130 after Ctrl-C, 143 after SIGTERM; a checkpoint is only ever saved from finite weights."""
         self.step, self.updates = step, updates
         end_sps, wall_s = self.last_sps, time.perf_counter() - self.start
         FRESH_RUNS.discard(self)

@@ -159,12 +159,20 @@ def test_atomic_save_leaves_no_tmp_and_the_old_file_whole(exc, tmp_path, monkeyp
     assert torch.equal(torch.load(path, weights_only=True)["old"], torch.ones(2))
 
 
-@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EROFS], ids=errno.errorcode.get)
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EROFS, "dev_full"], ids=str)
 def test_a_full_disk_at_the_final_save_still_prints_the_summary(code, tmp_path, monkeypatch, capsys):
-    """One line naming the failure, the summary with save_failed, exit 1, no .tmp left."""
+    """One line naming the failure, the summary with save_failed, exit 1, no .tmp left. dev_full:
+    a real full disk, the checkpoint's .tmp a link to /dev/full (torch.save given a path raises a
+    RuntimeError there, given a file object an OSError)."""
     monkeypatch.chdir(tmp_path)
     run = leanrl_utils.Run(tiny_args(DQN, "--save-model"), 0, DQN)
-    monkeypatch.setattr(torch, "save", partial_then(OSError(code, os.strerror(code))))
+    if code == "dev_full":
+        if not os.path.exists("/dev/full"):
+            pytest.skip("no /dev/full on this platform")
+        code = errno.ENOSPC
+        os.symlink("/dev/full", f"{run.dir}/dqn.pt.tmp")
+    else:
+        monkeypatch.setattr(torch, "save", partial_then(OSError(code, os.strerror(code))))
     with pytest.raises(SystemExit) as e:
         run.finish(0, 0, {"net": torch.nn.Linear(2, 2)}, None)
     assert e.value.code == 1
