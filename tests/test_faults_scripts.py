@@ -116,7 +116,7 @@ def test_rollout_beyond_memory_is_one_line_before_allocating(script, flag, value
 
 BAD_ENVS = {
     "needs-jax": ("phys2d/CartPole-v1", ["jax", "install"]),
-    "retired-mujoco-py": ("Humanoid-v2", ["gymnasium-robotics", "install"]),
+    "retired-mujoco-py": ("Humanoid-v2", ["gymnasium-robotics", "e.g. Humanoid-v5"]),
     "unknown": ("NoSuchEnv-v0", ["unknown", "--env-id"]),
 }
 BAD_GAMES = {"unknown": ("NoSuchGame-v5", ["unknown Atari id"]), "not-a-game": ("CartPole-v1", ["unknown Atari id"])}
