@@ -175,7 +175,11 @@ def env_sizes(env_id):
         env = gym.make(env_id)
     except Exception as e:  # gymnasium raises many types: ImportError, DependencyNotInstalled, Error
         line = (str(e).strip().splitlines() or [""])[0][:200]
-        fail(f"--env-id {env_id} cannot be made here ({type(e).__name__}: {line}): install what it needs, or pass another id")
+        spec = gym.spec(env_id)  # a retired version: name the newest
+        newest = gym.envs.registration.find_highest_version(spec.namespace, spec.name)
+        other = f", e.g. {spec.id.removesuffix(f'-v{spec.version}')}-v{newest}" if newest != spec.version else ""
+        why = f"{type(e).__name__}: {line}"
+        fail(f"--env-id {env_id} cannot be made here ({why}): install what it needs, or pass another id{other}")
     sizes = gym.spaces.flatdim(env.observation_space), math.prod(env.action_space.shape or ())
     env.close()
     return sizes
