@@ -288,7 +288,8 @@ def load_checkpoint(path, networks, env_id, algorithm):
     model, saved_env = checkpoint.get("model"), checkpoint.get("env_id")
     states = model.values() if isinstance(model, dict) else [None]
     if not isinstance(saved_env, str) or not all(
-        isinstance(sd, dict) and all(isinstance(v, torch.Tensor) for v in sd.values()) for sd in states
+        isinstance(sd, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items())
+        for sd in states
     ):
         fail(
             f"{path!r} is a malformed {algorithm} checkpoint (no env_id, or weights not tensors): pass one --save-model wrote"

@@ -308,6 +308,10 @@ def malformed(good):
         "model_a_list": ({"algorithm": algorithm, "env_id": env_id, "model": [1, 2]}, []),
         "model_none": ({"algorithm": algorithm, "env_id": env_id, "model": None}, []),
         "network_a_list": ({"algorithm": algorithm, "env_id": env_id, "model": {**model, network: [1.0]}}, []),
+        "weight_named_by_a_number": (
+            {"algorithm": algorithm, "env_id": env_id, "model": {**model, network: {0: weights[name]}}},
+            [],
+        ),
         "weight_a_number": (
             {"algorithm": algorithm, "env_id": env_id, "model": {**model, network: {**weights, name: 1.5}}},
             [],
