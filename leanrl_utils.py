@@ -110,8 +110,10 @@ def check_args(args, atari=False):
     world_size = int(world_size) if world_size.isdigit() else 1
     num_envs = getattr(args, "num_envs", 1)
     limit = 2**31 - world_size - num_seeds * num_envs - 10_000
+    seeds = f"--num-seeds {num_seeds} x " if hasattr(args, "num_seeds") else ""
+    if limit <= 0:
+        fail(f"{seeds}--num-envs {num_envs} envs would take seeds past 2**31: use fewer")
     if not 0 <= args.seed < limit:
-        seeds = f"--num-seeds {num_seeds} x " if hasattr(args, "num_seeds") else ""
         fail(
             f"--seed {args.seed} is out of range: seed + {world_size} processes + {seeds}--num-envs {num_envs} + 10000 "
             f"(evaluation) must stay below 2**31: use a seed in [0, {limit})"
