@@ -51,6 +51,10 @@ class Args:
     """path of a checkpoint to start from (with `--total-timesteps 0`: evaluate it only)"""
     eval_episodes: int = 0
     """episodes of the greedy policy to run after training (0: none)"""
+    resume: str | None = None
+    """a run folder (or its resume.pt) to continue where it stopped"""
+    checkpoint_every: float = 0.0
+    """seconds between resumable checkpoints (runs/{run_name}/resume.pt; 0: only when stopped)"""
 
     # algorithm
     env_id: str = "CartPole-v1"
@@ -229,8 +233,10 @@ def main(args: Args):
     global_step = updates = 0
     loss = old_val = None
     obs, _ = envs.reset(seed=args.seed)
+    objects = {"q_network": q_network, "target_network": target_network, "optimizer": optimizer, "rb": rb, "envs": envs}
+    global_step, updates, loss, old_val, obs = run.resume(objects, lambda: (global_step, updates, loss, old_val, obs), device)
     try:
-        for iteration in range(num_iterations):
+        for iteration in run.iterations(global_step // args.num_envs, num_iterations):
             epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_fraction * args.total_timesteps, global_step)
             # One coin per env, so that several envs explore as one env would.
             explore = np.random.random(args.num_envs) < epsilon
