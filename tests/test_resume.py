@@ -1,0 +1,173 @@
+"""--resume: a run stopped partway (SIGTERM, or SIGKILL after a periodic checkpoint) and resumed
+ends as the same run unbroken: the same final weights, the same logged values at the same steps,
+no point twice or missing. Bad resumes end in one line and exit 2."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY, assert_one_line_error, family, run_script, script_command, scripts
+
+RESUMABLE = [s for s in scripts("*.py") if family(s) in ("dqn",)]
+
+# Sends `signum` to the script's own process at its `at`-th env step (of one env), mid-iteration.
+SIGNAL_AT_STEP = """
+import os, gymnasium as gym
+_step, _calls = gym.wrappers.RecordEpisodeStatistics.step, [0]
+def step(self, action):
+    _calls[0] += 1
+    if _calls[0] == {at}:
+        os.kill(os.getpid(), {signum})
+    return _step(self, action)
+gym.wrappers.RecordEpisodeStatistics.step = step
+"""
+
+# Per family: the env step to stop at (after learning starts, between two log points).
+STOP_AT = {"dqn": 250}
+
+
+def start(script, workdir, *argv, before=None):
+    command = script_command(script, before=before) if before else [sys.executable, str(script)]
+    return subprocess.Popen(
+        [*command, *map(str, argv)],
+        cwd=workdir,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def scalars(run_dir):
+    """Every scalar in the run's TensorBoard events, (tag, step, value) in the order written, but
+    steps/s (a timing)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    points = []
+    for path in sorted(Path(run_dir).glob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                # The loader hands simple values over as float tensors of one element.
+                if value.tag != "charts/SPS" and len(value.tensor.float_val) == 1:
+                    points.append((value.tag, event.step, value.tensor.float_val[0]))
+    return points
+
+
+def curve_steps(run_dir):
+    return [line.split(",")[0] for line in (Path(run_dir) / "curve.csv").read_text().splitlines()]
+
+
+def final_weights(workdir, summary):
+    return torch.load(Path(workdir) / summary["checkpoint"], weights_only=True)["model"]
+
+
+@pytest.mark.parametrize("script", RESUMABLE, ids=lambda s: s.stem)
+def test_stopped_and_resumed_run_is_the_run_unbroken(script, tmp_path):
+    """SIGTERM mid-iteration after learning started, between two log points; --resume with no
+    other flag: weights, every logged value and the curve's steps equal bit for bit (eager, CPU)."""
+    (whole := tmp_path / "whole").mkdir()
+    (parts := tmp_path / "parts").mkdir()
+    tiny = [*TINY[family(script)], "--save-model"]
+    unbroken, _ = run_script(script, *tiny, cwd=whole)
+
+    before = SIGNAL_AT_STEP.format(at=STOP_AT[family(script)], signum=int(signal.SIGTERM))
+    proc = start(script, parts, *tiny, before=before)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 143, stderr
+    run_dir = parts / "runs" / os.listdir(parts / "runs")[0]
+    assert (run_dir / "resume.pt").is_file()
+
+    resumed, proc = run_script(script, "--resume", run_dir, "--save-model", cwd=parts)
+    assert "notice: resuming" in proc.stderr
+    assert resumed["total_steps"] == unbroken["total_steps"] and resumed["updates"] == unbroken["updates"]
+    assert resumed["run_dir"] == str(run_dir.relative_to(parts))
+    points = scalars(whole / unbroken["run_dir"])
+    assert any(tag.startswith("losses/") for tag, _, _ in points)
+    assert scalars(run_dir) == points
+    assert curve_steps(run_dir) == curve_steps(whole / unbroken["run_dir"])
+    expected, got = final_weights(whole, unbroken), final_weights(parts, resumed)
+    for net in expected:
+        for name in expected[net]:
+            assert torch.equal(got[net][name], expected[net][name]), (net, name)
+
+
+@pytest.mark.parametrize("script", RESUMABLE, ids=lambda s: s.stem)
+def test_killed_run_resumes_from_its_periodic_checkpoint(script, tmp_path):
+    """SIGKILL with --checkpoint-every: the resumed run completes its budget; curve.csv and the
+    events hold every log point once."""
+    argv = [*TINY[family(script)], "--checkpoint-every", "0.2"]
+    i = argv.index("--total-timesteps")
+    argv[i + 1] = str(int(argv[i + 1]) * 10)
+    proc = start(script, tmp_path, *argv)
+    deadline = time.time() + 240
+    runs = tmp_path / "runs"
+    while time.time() < deadline and not (runs.is_dir() and list(runs.glob("*/resume.pt"))):
+        time.sleep(0.1)
+    time.sleep(1.0)
+    proc.kill()
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it was killed: make it longer"
+    run_dir = next(runs.glob("*/resume.pt")).parent
+    resumed, _ = run_script(script, "--resume", run_dir, cwd=tmp_path)
+    assert resumed["total_steps"] == int(argv[i + 1])
+    steps = [int(s) for s in curve_steps(run_dir)[1:]]
+    assert steps == sorted(set(steps)) and steps[-1] == int(argv[i + 1])
+    losses = [step for tag, step, _ in scalars(run_dir) if tag.startswith("losses/") and tag.endswith("loss")]
+    log_steps = sorted(set(losses))
+    assert losses == log_steps and log_steps == list(range(log_steps[0], int(argv[i + 1]) + 1, 100))
+
+
+@pytest.fixture
+def stopped_run(tmp_path):
+    """A plain DQN run stopped by SIGTERM partway: (script, its run folder)."""
+    script = next(s for s in RESUMABLE if s.stem == "dqn")
+    proc = start(script, tmp_path, *TINY["dqn"], before=SIGNAL_AT_STEP.format(at=250, signum=int(signal.SIGTERM)))
+    proc.communicate(timeout=300)
+    return script, next((tmp_path / "runs").iterdir())
+
+
+def test_resume_of_a_missing_folder_is_one_line(stopped_run, tmp_path):
+    script, run_dir = stopped_run
+    _, proc = run_script(script, "--resume", tmp_path / "nowhere", cwd=tmp_path, check=False)
+    assert_one_line_error(proc, "no checkpoint")
+    assert proc.returncode == 2
+
+
+def test_resume_of_a_corrupt_checkpoint_is_one_line(stopped_run, tmp_path):
+    script, run_dir = stopped_run
+    (run_dir / "resume.pt").write_bytes((run_dir / "resume.pt").read_bytes()[:1000])
+    _, proc = run_script(script, "--resume", run_dir, cwd=tmp_path, check=False)
+    assert_one_line_error(proc, "corrupt")
+    assert proc.returncode == 2
+
+
+def test_resume_with_another_script_is_one_line(stopped_run, tmp_path):
+    script, run_dir = stopped_run
+    other = script.with_name("dqn_torchcompile.py")
+    _, proc = run_script(other, "--resume", run_dir, cwd=tmp_path, check=False)
+    assert_one_line_error(proc, "dqn.py")
+    assert proc.returncode == 2
+
+
+@pytest.mark.parametrize("flags", [("--env-id", "Acrobot-v1"), ("--buffer-size", "600")], ids=["env", "size"])
+def test_resume_with_contradicting_flags_is_one_line(stopped_run, tmp_path, flags):
+    script, run_dir = stopped_run
+    _, proc = run_script(script, "--resume", run_dir, *flags, cwd=tmp_path, check=False)
+    assert_one_line_error(proc, flags[0], "contradicts")
+    assert proc.returncode == 2
+
+
+def test_resume_of_a_finished_run_is_one_line_and_a_larger_budget_extends_it(stopped_run, tmp_path):
+    script, run_dir = stopped_run
+    done, _ = run_script(script, "--resume", run_dir, "--checkpoint-every", "1000", cwd=tmp_path)
+    assert done["total_steps"] == 400
+    _, proc = run_script(script, "--resume", run_dir, cwd=tmp_path, check=False)
+    assert_one_line_error(proc, "already finished")
+    assert proc.returncode == 2
+    extended, _ = run_script(script, "--resume", run_dir, "--total-timesteps", 500, cwd=tmp_path)
+    assert extended["total_steps"] == 500
