@@ -14,7 +14,7 @@ import sys
 import time
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -57,6 +57,16 @@ RULES = {
     "target_kl": (lambda v: v is None or (math.isfinite(v) and v > 0), "a finite number > 0"),
     "checkpoint_every": (lambda v: math.isfinite(v) and v >= 0, "a finite number of seconds >= 0 (0: off)"),
 }
+
+
+@dataclass
+class Resumable:
+    """The flags of preemption-safe runs, shared by every script's Args (`class Args(Resumable)`)."""
+
+    resume: str | None = None
+    """a run folder (or its resume.pt) to continue where it stopped, with the same flags"""
+    checkpoint_every: float = 0.0
+    """seconds between resumable checkpoints (runs/{run_name}/resume.pt; 0: only when stopped)"""
 
 
 def fail(message):

@@ -23,11 +23,11 @@ import torch.nn.functional as F
 import torch.optim as optim
 import tyro
 
-from leanrl_utils import Run, check_args, check_memory, fail, real_next_obs
+from leanrl_utils import Resumable, Run, check_args, check_memory, fail, real_next_obs
 
 
 @dataclass
-class Args:
+class Args(Resumable):
     # common
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
@@ -51,10 +51,6 @@ class Args:
     """path of a checkpoint to start from (with `--total-timesteps 0`: evaluate it only)"""
     eval_episodes: int = 0
     """episodes of the greedy policy to run after training (0: none)"""
-    resume: str | None = None
-    """a run folder (or its resume.pt) to continue where it stopped"""
-    checkpoint_every: float = 0.0
-    """seconds between resumable checkpoints (runs/{run_name}/resume.pt; 0: only when stopped)"""
 
     # algorithm
     env_id: str = "CartPole-v1"

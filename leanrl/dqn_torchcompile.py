@@ -29,6 +29,7 @@ from tensordict.nn import CudaGraphModule
 from leanrl_utils import (
     Adam,
     ReplayBuffer,
+    Resumable,
     SameStepEnvs,
     check_args,
     check_memory,
@@ -48,7 +49,7 @@ from leanrl_utils import (
 
 
 @dataclass
-class Args:
+class Args(Resumable):
     # common
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
@@ -72,10 +73,6 @@ class Args:
     """path of a checkpoint to start from (with `--total-timesteps 0`: evaluate it only)"""
     eval_episodes: int = 0
     """episodes of the greedy policy to run after training (0: none)"""
-    resume: str | None = None
-    """a run folder (or its resume.pt) to continue where it stopped"""
-    checkpoint_every: float = 0.0
-    """seconds between resumable checkpoints (runs/{run_name}/resume.pt; 0: only when stopped)"""
     num_seeds: int = 1
     """independent agents trained at once, seeds `seed` to `seed + num-seeds - 1` (`total-timesteps` each)"""
 
