@@ -188,10 +188,10 @@ SKIP = object()
 
 def to_plain(x):
     """`x` in the types a weights_only checkpoint holds (tensors, plain types), or SKIP."""
+    if isinstance(x, np.generic):  # before float: np.float64 is one
+        return x.item()
     if x is None or isinstance(x, (bool, int, float, str)):
         return x
-    if isinstance(x, np.generic):
-        return x.item()
     if isinstance(x, torch.Tensor):
         return x.detach().to("cpu", copy=True)
     if isinstance(x, np.ndarray):
@@ -291,6 +291,9 @@ def env_layers(env):
 
 def layer_state(layer):
     state = {k: p for k, v in vars(layer).items() if k not in ("env", "envs") and (p := to_plain(v)) is not SKIP}
+    for k, v in vars(layer).items():  # a space's own generator (its sample())
+        if isinstance(v, gym.spaces.Space) and v._np_random is not None:
+            state[f"__space__{k}"] = to_plain(v._np_random)
     if hasattr(layer, "data") and hasattr(layer, "model") and type(layer.data).__name__ == "MjData":
         import mujoco
 
@@ -308,6 +311,8 @@ def load_layer_state(layer, state):
 
             mujoco.mj_setState(layer.model, layer.data, v.numpy(), mujoco.mjtState.mjSTATE_INTEGRATION)
             mujoco.mj_forward(layer.model, layer.data)
+        elif k.startswith("__space__"):
+            getattr(layer, k.removeprefix("__space__"))._np_random = from_plain(v)
         else:
             setattr(layer, k, from_plain(v))
 
@@ -456,14 +461,14 @@ class Run:
         raise KeyboardInterrupt
 
     def resume(self, objects, loop, device="cpu"):
-        """What `save_resume` saves: `objects` (name -> module, optimizer, replay buffer, envs, ...) and
-        `loop()`, the loop's variables. With --resume, loads them all and the random streams, and
-        returns the saved loop variables (tensors on `device`); else returns `loop()`."""
-        self.objects, self.loop = objects, loop
+        """What `save_resume` saves: `objects` (name -> module, optimizer, replay buffer, envs, ...;
+        False: none) and `loop()`, the loop's variables. With --resume, loads them all and the random
+        streams, and returns the saved loop variables (tensors on `device`); else returns `loop()`."""
+        self.objects, self.loop = {name: obj for name, obj in objects.items() if obj is not False}, loop
         if not self.resumed:
             return loop()
         try:
-            for name, obj in objects.items():
+            for name, obj in self.objects.items():
                 load_object_state(obj, self.resumed["objects"][name])
         except (KeyError, RuntimeError, ValueError, IndexError) as e:
             fail(f"--resume {self.args.resume}: its state does not fit this run ({type(e).__name__}); start anew")

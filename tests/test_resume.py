@@ -13,8 +13,6 @@ import pytest
 import torch
 from conftest import TINY, assert_one_line_error, family, run_script, script_command, scripts
 
-RESUMABLE = [s for s in scripts("*.py") if family(s) in ("dqn", "pqn")]
-
 # Sends `signum` to the script's own process at its `at`-th env step (of one env), mid-iteration.
 SIGNAL_AT_STEP = """
 import os, gymnasium as gym
@@ -28,7 +26,8 @@ gym.wrappers.RecordEpisodeStatistics.step = step
 """
 
 # Per family: the env step to stop at (after learning starts, between two log points).
-STOP_AT = {"dqn": 250, "pqn": 300}
+STOP_AT = {"dqn": 250, "pqn": 300, "sac_continuous_action": 150}
+RESUMABLE = [s for s in scripts("*.py") if family(s) in STOP_AT]
 
 
 def start(script, workdir, *argv, before=None):
