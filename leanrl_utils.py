@@ -234,6 +234,8 @@ def object_state(obj):
     TensorDict's tensors, a gymnasium env's layers (their plain attributes and random generators;
     MuJoCo's integration state), or the plain attributes of any other object (a replay buffer's
     filled rows only)."""
+    if isinstance(obj, torch.Tensor):  # a value updated in place (SAC's alpha)
+        return {"tensor": obj.detach().cpu().clone()}
     if hasattr(obj, "flatten_keys"):  # a TensorDict of stacked parameters
         return {"tensors": {k: v.detach().cpu().clone() for k, v in obj.flatten_keys(".").items()}}
     if hasattr(obj, "state_dict"):
@@ -258,7 +260,9 @@ def object_state(obj):
 
 
 def load_object_state(obj, state):
-    if "state_dict" in state:
+    if "tensor" in state:
+        obj.detach().copy_(state["tensor"])
+    elif "state_dict" in state:
         obj.load_state_dict(state["state_dict"])
     elif "tensors" in state:
         for k, v in obj.flatten_keys(".").items():
