@@ -295,9 +295,11 @@ def env_layers(env):
 
 def layer_state(layer):
     state = {k: p for k, v in vars(layer).items() if k not in ("env", "envs") and (p := to_plain(v)) is not SKIP}
-    for k, v in vars(layer).items():  # a space's own generator (its sample())
-        if isinstance(v, gym.spaces.Space) and v._np_random is not None:
+    for k, v in vars(layer).items():
+        if isinstance(v, gym.spaces.Space) and v._np_random is not None:  # a space's own generator (its sample())
             state[f"__space__{k}"] = to_plain(v._np_random)
+        elif k not in state and type(v).__name__ == "RunningMeanStd":  # observation and reward normalization
+            state[f"__stats__{k}"] = {name: to_plain(x) for name, x in vars(v).items()}
     if hasattr(layer, "data") and hasattr(layer, "model") and type(layer.data).__name__ == "MjData":
         import mujoco
 
@@ -317,6 +319,9 @@ def load_layer_state(layer, state):
             mujoco.mj_forward(layer.model, layer.data)
         elif k.startswith("__space__"):
             getattr(layer, k.removeprefix("__space__"))._np_random = from_plain(v)
+        elif k.startswith("__stats__"):
+            for name, x in v.items():
+                setattr(getattr(layer, k.removeprefix("__stats__")), name, from_plain(x))
         else:
             setattr(layer, k, from_plain(v))
 
