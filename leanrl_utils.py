@@ -238,7 +238,11 @@ def object_state(obj):
         return {"tensor": obj.detach().cpu().clone()}
     if hasattr(obj, "flatten_keys"):  # a TensorDict of stacked parameters
         return {"tensors": {k: v.detach().cpu().clone() for k, v in obj.flatten_keys(".").items()}}
-    if hasattr(obj, "state_dict"):
+    if isinstance(obj, np.random.Generator):
+        return {"generator": obj.bit_generator.state}
+    if callable(obj) and not isinstance(obj, nn.Module):  # a function: the generators it closes over
+        return {"closure": [g.bit_generator.state for g in closure_generators(obj)]}
+    if isinstance(obj, (nn.Module, torch.optim.Optimizer, Adam)):
         return {"state_dict": obj.state_dict()}
     if isinstance(obj, (gym.Env, gym.vector.VectorEnv)):
         return {"layers": [layer_state(layer) for layer in env_layers(obj)]}
@@ -262,6 +266,11 @@ def object_state(obj):
 def load_object_state(obj, state):
     if "tensor" in state:
         obj.detach().copy_(state["tensor"])
+    elif "generator" in state:
+        obj.bit_generator.state = state["generator"]
+    elif "closure" in state:
+        for generator, saved in zip(closure_generators(obj), state["closure"], strict=True):
+            generator.bit_generator.state = saved
     elif "state_dict" in state:
         obj.load_state_dict(state["state_dict"])
     elif "tensors" in state:
@@ -276,10 +285,17 @@ def load_object_state(obj, state):
             if isinstance(current, dict) and isinstance(value, dict):
                 for k, v in value.items():
                     current[k][: len(v)].copy_(v.to(current[k].device)) if isinstance(v, torch.Tensor) else None
-            elif isinstance(current, (np.ndarray, torch.Tensor)) and current.ndim and len(value) < len(current):
+            elif isinstance(current, (np.ndarray, torch.Tensor)) and current.ndim and len(value) <= len(current):
+                # In place: views of it (a seed's part, a compiled graph's input) see the saved values.
                 current[: len(value)] = value if isinstance(current, np.ndarray) else value.to(current.device)
             else:
                 setattr(obj, name, value if not isinstance(current, torch.Tensor) else value.to(current.device))
+
+
+def closure_generators(fn):
+    """The numpy generators a function (a policy's noise) closes over."""
+    cells = getattr(getattr(fn, "_torchdynamo_orig_callable", fn), "__closure__", None) or ()
+    return [c.cell_contents for c in cells if isinstance(c.cell_contents, np.random.Generator)]
 
 
 def env_layers(env):
