@@ -361,6 +361,8 @@ def resolve_resume(args, script):
     """--resume: read the checkpoint, check that it is this script's and that no flag contradicts it,
     and give every flag left at its default the checkpoint's value (a flag given as its default
     value counts as not given)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        fail("--resume under torchrun is not supported yet (each rank's envs and streams): resume a single process")
     path = Path(args.resume)
     path = path / "resume.pt" if path.is_dir() else path
     if not path.is_file():
@@ -422,6 +424,8 @@ class Run:
         self.total_steps, self.bar, self.offset_s = total_steps, None, self.resumed["wall_s"] if self.resumed else 0.0
         self.start = self.warm_time = time.perf_counter()
         self.stop_signal, self.in_loop, self.objects, self.loop = None, False, {}, None
+        # Under torchrun a stop waits for no iteration's end (the ranks' ends differ) and nothing is saved to resume.
+        self.resumable = int(os.environ.get("WORLD_SIZE", "1")) == 1
         if not lead:
             signal.signal(signal.SIGTERM, self.on_sigterm)
             if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where the shell ignores it
@@ -479,7 +483,7 @@ class Run:
         """Schedulers stop jobs with SIGTERM: end the run as Ctrl-C does, saving first. In the training
         loop both wait for the end of the iteration, where the state is whole (`iterations`); a
         second one does not wait."""
-        if self.in_loop and not self.stop_signal:
+        if self.in_loop and not self.stop_signal and self.resumable:
             self.stop_signal = signum
             return
         self.interrupted = signum
@@ -528,7 +532,7 @@ class Run:
 
     def save_resume(self, iteration, stop):
         """runs/<run_name>/resume.pt, atomically: everything `--resume` needs to continue at `iteration`."""
-        if not self.main or self.loop is None:
+        if not self.main or self.loop is None or not self.resumable:
             return
         seeds = []
         for run in self.seeds:
