@@ -2,6 +2,7 @@
 ends as the same run unbroken: the same final weights, the same logged values at the same steps,
 no point twice or missing. Bad resumes end in one line and exit 2."""
 
+import json
 import os
 import signal
 import subprocess
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, assert_one_line_error, family, run_script, script_command, scripts
+from conftest import SCRIPTS, TINY, assert_one_line_error, family, run_script, script_command, scripts
 
 # Sends `signum` to the script's own process at its `at`-th env step (of one env), mid-iteration.
 SIGNAL_AT_STEP = """
@@ -23,6 +24,38 @@ def step(self, action):
         os.kill(os.getpid(), {signum})
     return _step(self, action)
 gym.wrappers.RecordEpisodeStatistics.step = step
+"""
+
+# envpool's Atari games count steps in leanrl_utils' vector wrapper: one call per vector step.
+SIGNAL_AT_VECTOR_STEP = SIGNAL_AT_STEP.replace(
+    "gym.wrappers.RecordEpisodeStatistics", "leanrl_utils.RecordEpisodeStatistics"
+).replace("import os, gymnasium as gym", "import os, leanrl_utils")
+
+# Right after --resume loads the run, its objects (the envs aside) hold what the checkpoint saved,
+# and the loop starts at the saved iteration.
+CHECK_RESUMED = """
+import sys, torch, leanrl_utils
+def same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+_resume, _iterations = leanrl_utils.Run.resume, leanrl_utils.Run.iterations
+def resume(self, objects, loop, device="cpu"):
+    out = _resume(self, objects, loop, device)
+    for name, obj in self.objects.items():
+        if name != "envs":
+            assert same(leanrl_utils.object_state(obj), self.resumed["objects"][name]), name
+    print("resume-check: objects ok", file=sys.stderr)
+    return out
+def iterations(self, start, stop):
+    assert start == self.resumed["iteration"], (start, self.resumed["iteration"])
+    print("resume-check: iteration ok", file=sys.stderr)
+    return _iterations(self, start, stop)
+leanrl_utils.Run.resume, leanrl_utils.Run.iterations = resume, iterations
 """
 
 # Per family: the env step to stop at (after learning starts, between two log points).
@@ -59,6 +92,20 @@ def scalars(run_dir):
 
 def curve_steps(run_dir):
     return [line.split(",")[0] for line in (Path(run_dir) / "curve.csv").read_text().splitlines()]
+
+
+def loss_steps(run_dir):
+    """The steps of the first loss the run logs, in the order written."""
+    points = [(tag, step) for tag, step, _ in scalars(run_dir) if tag.startswith("losses/")]
+    return [step for tag, step in points if tag == points[0][0]]
+
+
+def assert_every_log_point_once(run_dir, total):
+    steps = [int(s) for s in curve_steps(run_dir)[1:]]  # none before the first episode ends (Atari)
+    assert steps == sorted(set(steps)) and steps[-1:] in ([], [total])
+    logged = loss_steps(run_dir)
+    every = logged[1] - logged[0]  # log points are evenly spaced: none missing, none twice
+    assert logged == list(range(logged[0], total + 1, every)), logged
 
 
 def final_weights(workdir, summary):
@@ -114,12 +161,56 @@ def test_killed_run_resumes_from_its_periodic_checkpoint(script, tmp_path):
     run_dir = next(runs.glob("*/resume.pt")).parent
     resumed, _ = run_script(script, "--resume", run_dir, cwd=tmp_path)
     assert resumed["total_steps"] == int(argv[i + 1])
-    steps = [int(s) for s in curve_steps(run_dir)[1:]]
-    assert steps == sorted(set(steps)) and steps[-1] == int(argv[i + 1])
-    losses = [step for tag, step, _ in scalars(run_dir) if tag.startswith("losses/") and tag.endswith("loss")]
-    log_steps = sorted(set(losses))
-    every = log_steps[1] - log_steps[0]  # log points are evenly spaced: none missing, none twice
-    assert losses == log_steps and log_steps == list(range(log_steps[0], int(argv[i + 1]) + 1, every))
+    assert_every_log_point_once(run_dir, int(argv[i + 1]))
+
+
+@pytest.mark.parametrize("script", scripts("*atari*.py"), ids=lambda s: s.stem)
+def test_atari_run_resumes_with_its_saved_state_and_completes_its_budget(script, tmp_path):
+    """envpool's games cannot be saved: the resumed run starts fresh episodes, with the weights,
+    optimizer state and schedule position saved, and completes its budget, each step once."""
+    argv = [*TINY[family(script)], "--total-timesteps", 128]  # 4 iterations of 32 steps
+    proc = start(script, tmp_path, *argv, before=SIGNAL_AT_VECTOR_STEP.format(at=40, signum=int(signal.SIGTERM)))
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 143, stderr
+    run_dir = next((tmp_path / "runs").iterdir())
+    proc = start(script, tmp_path, "--resume", run_dir, before=CHECK_RESUMED)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    assert "resume-check: objects ok" in stderr and "resume-check: iteration ok" in stderr
+    assert json.loads(stdout.splitlines()[-1])["total_steps"] == 128
+    assert_every_log_point_once(run_dir, 128)
+
+
+def test_every_seed_of_num_seeds_resumes(tmp_path):
+    """--num-seeds 2 (lean DQN): stopped and resumed, each seed's run is its run unbroken."""
+    script = SCRIPTS / "dqn_torchcompile.py"
+    (whole := tmp_path / "whole").mkdir()
+    (parts := tmp_path / "parts").mkdir()
+    argv = [*TINY["dqn"], "--num-seeds", 2, "--save-model"]
+    run_script(script, *argv, cwd=whole)
+    proc = start(script, parts, *argv, before=SIGNAL_AT_STEP.format(at=2 * 250, signum=int(signal.SIGTERM)))
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 143, stderr
+    lead = next(d for d in (parts / "runs").iterdir() if (d / "resume.pt").exists())
+    resumed, proc = run_script(script, "--resume", lead, "--save-model", cwd=parts)
+    assert resumed["num_seeds"] == 2 and "notice: resuming" in proc.stderr
+    for seed in (1, 2):
+        expected = next((whole / "runs").glob(f"*__{seed}__*"))
+        got = next((parts / "runs").glob(f"*__{seed}__*"))
+        assert scalars(got) == scalars(expected)
+        weights = [torch.load(d / "dqn_torchcompile.pt", weights_only=True)["model"] for d in (expected, got)]
+        assert all(torch.equal(weights[0]["q_network"][k], weights[1]["q_network"][k]) for k in weights[0]["q_network"])
+
+
+def test_resume_with_another_num_seeds_is_one_line(tmp_path):
+    script = SCRIPTS / "dqn_torchcompile.py"
+    argv = [*TINY["dqn"], "--num-seeds", 2]
+    proc = start(script, tmp_path, *argv, before=SIGNAL_AT_STEP.format(at=2 * 250, signum=int(signal.SIGTERM)))
+    proc.communicate(timeout=300)
+    lead = next(d for d in (tmp_path / "runs").iterdir() if (d / "resume.pt").exists())
+    _, proc = run_script(script, "--resume", lead, "--num-seeds", 3, cwd=tmp_path, check=False)
+    assert_one_line_error(proc, "--num-seeds", "contradicts")
+    assert proc.returncode == 2
 
 
 @pytest.fixture
