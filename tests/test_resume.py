@@ -148,7 +148,7 @@ def test_killed_run_resumes_from_its_periodic_checkpoint(script, tmp_path):
     events hold every log point once."""
     argv = [*TINY[family(script)], "--checkpoint-every", "0.2"]
     i = argv.index("--total-timesteps")
-    argv[i + 1] = str(int(argv[i + 1]) * 10)
+    argv[i + 1] = str(int(argv[i + 1]) * (50 if family(script) == "pqn" else 10))  # lean PQN runs 5120 steps in a second
     proc = start(script, tmp_path, *argv)
     deadline = time.time() + 240
     runs = tmp_path / "runs"
@@ -262,3 +262,25 @@ def test_resume_of_a_finished_run_is_one_line_and_a_larger_budget_extends_it(sto
     assert proc.returncode == 2
     extended, _ = run_script(script, "--resume", run_dir, "--total-timesteps", 500, cwd=tmp_path)
     assert extended["total_steps"] == 500
+
+
+def test_compiled_run_resumes_within_rounding(tmp_path):
+    """--compile (lean DQN): the resumed run compiles anew; weights and logged values as unbroken,
+    within rounding."""
+    script = SCRIPTS / "dqn_torchcompile.py"
+    (whole := tmp_path / "whole").mkdir()
+    (parts := tmp_path / "parts").mkdir()
+    argv = [*TINY["dqn"], "--compile", "--save-model"]
+    unbroken, _ = run_script(script, *argv, cwd=whole)
+    proc = start(script, parts, *argv, before=SIGNAL_AT_STEP.format(at=250, signum=int(signal.SIGTERM)))
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 143, stderr
+    run_dir = next((parts / "runs").iterdir())
+    resumed, _ = run_script(script, "--resume", run_dir, "--save-model", cwd=parts)
+    assert resumed["compile"] is True and resumed["total_steps"] == unbroken["total_steps"]
+    expected, got = scalars(whole / unbroken["run_dir"]), scalars(run_dir)
+    assert [(tag, step) for tag, step, _ in got] == [(tag, step) for tag, step, _ in expected]
+    assert [v for _, _, v in got] == pytest.approx([v for _, _, v in expected], rel=1e-5, abs=1e-6)
+    expected, got = final_weights(whole, unbroken), final_weights(parts, resumed)
+    for name, tensor in expected["q_network"].items():
+        torch.testing.assert_close(got["q_network"][name], tensor, rtol=1e-5, atol=1e-6)
