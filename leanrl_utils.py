@@ -177,7 +177,8 @@ def load_checkpoint(path, networks, env_id, algorithm):
 
 # ---------------------------------------------------------------- RESUME
 
-# Flags a resumed run may change: speed, tracking and outputs. --total-timesteps extends the run.
+# Flags a resumed run may change (speed, tracking, outputs; --total-timesteps extends the run); flags not
+# given take the run's values.
 FREE_ON_RESUME = {
     "resume", "checkpoint_every", "total_timesteps", "track", "wandb_project_name", "wandb_entity", "capture_video",
     "save_model", "load_model", "eval_episodes", "compile", "cudagraphs", "threads", "cuda", "backend", "dist_timeout",
@@ -378,11 +379,11 @@ def resolve_resume(args, script):
     defaults = type(args)()
     for key, saved in saved_args.items():
         given = getattr(args, key, saved)
-        if key in FREE_ON_RESUME and key != "total_timesteps":
+        if key in ("resume", "load_model"):
             continue
         if given == getattr(defaults, key, given):
             setattr(args, key, saved)
-        elif given != saved and key != "total_timesteps":
+        elif given != saved and key not in FREE_ON_RESUME:
             flag = f"--{key.replace('_', '-')}"
             fail(
                 f"{flag} {given} contradicts the checkpoint ({flag} {saved}): resume with the flags of the run, or start anew"
@@ -522,7 +523,7 @@ class Run:
                     self.save_resume(i, stop)
                     due = time.perf_counter()
                 yield i
-            if every or self.stop_signal:
+            if every or self.stop_signal or os.path.exists(f"{self.dir}/resume.pt"):  # marks the run finished
                 self.save_resume(stop, stop)
             if self.stop_signal:
                 self.interrupted = self.stop_signal
