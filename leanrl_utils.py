@@ -204,7 +204,8 @@ def to_plain(x):
         return {"__generator__": x.bit_generator.state}
     if isinstance(x, (tuple, list, deque)):
         items = [to_plain(v) for v in x]
-        return SKIP if any(v is SKIP for v in items) else {"__" + type(x).__name__ + "__": items}
+        kind = "__deque__" if isinstance(x, deque) else "__list__" if isinstance(x, list) else "__tuple__"
+        return SKIP if any(v is SKIP for v in items) else {kind: items, "maxlen": getattr(x, "maxlen", None)}
     if isinstance(x, dict):
         items = {k: to_plain(v) for k, v in x.items()}
         return SKIP if any(v is SKIP or not isinstance(k, (str, int)) for k, v in items.items()) else {"__dict__": items}
@@ -227,7 +228,7 @@ def from_plain(x, device=None):
         return {k: from_plain(v, device) for k, v in x["__dict__"].items()}
     kind, items = next(iter(x.items()))
     items = [from_plain(v, device) for v in items]
-    return {"__tuple__": tuple, "__list__": list}.get(kind, lambda v: deque(v, maxlen=len(v) or None))(items)
+    return {"__tuple__": tuple, "__list__": list}.get(kind, lambda v: deque(v, maxlen=x["maxlen"]))(items)
 
 
 def object_state(obj):

@@ -284,3 +284,30 @@ def test_compiled_run_resumes_within_rounding(tmp_path):
     expected, got = final_weights(whole, unbroken), final_weights(parts, resumed)
     for name, tensor in expected["q_network"].items():
         torch.testing.assert_close(got["q_network"][name], tensor, rtol=1e-5, atol=1e-6)
+
+
+def test_loop_values_survive_a_weights_only_checkpoint():
+    """What a checkpoint keeps of the loop's variables and the envs comes back with its types."""
+    import collections
+    import io
+
+    import numpy as np
+
+    import leanrl_utils
+
+    values = {
+        "counts": (1, 2.5, np.float64(3.0), None, "s"),
+        "queue": collections.deque([1.0, 2.0], maxlen=5),
+        "arrays": [np.arange(3, dtype=np.uint32), np.ones((2, 2), bool)],
+        "tensor": torch.arange(4.0),
+        "rng": np.random.default_rng(3),
+    }
+    buffer = io.BytesIO()
+    torch.save(leanrl_utils.to_plain(values), buffer)
+    buffer.seek(0)
+    back = leanrl_utils.from_plain(torch.load(buffer, weights_only=True))
+    assert back["counts"] == (1, 2.5, 3.0, None, "s")
+    assert back["queue"] == values["queue"] and back["queue"].maxlen == 5
+    assert all(a.dtype == b.dtype and (a == b).all() for a, b in zip(back["arrays"], values["arrays"]))
+    assert torch.equal(back["tensor"], values["tensor"])
+    assert back["rng"].random() == np.random.default_rng(3).random()
