@@ -394,7 +394,7 @@ def resolve_resume(args, script):
             f"--resume {args.resume}: that run already finished its {saved_args['total_timesteps']} steps; "
             "pass a larger --total-timesteps to extend it"
         )
-    RESUMING[id(args)] = checkpoint
+    RESUMING[id(args)] = checkpoint | {"dir": str(path.parent)}
 
 
 # ---------------------------------------------------------------- RUN
@@ -418,7 +418,8 @@ class Run:
         saved = self.resumed["seeds"][len(self.lead.seeds) - 1] if self.resumed else {}
         self.time = lead.time if lead else self.resumed["time"] if self.resumed else int(time.time())
         self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{self.time}"
-        self.dir = f"runs/{self.name}"
+        # A resumed run writes on in its folder, wherever it is (each seed's beside the lead's).
+        self.dir = os.path.join(os.path.dirname(self.resumed["dir"]), self.name) if self.resumed else f"runs/{self.name}"
         self.wandb = self.writer = self.last_good = self.stop_reason = self.warmup_s = self.last_sps = None
         self.interrupted, self.returns, self.points = False, deque(maxlen=10), []
         self.step, self.updates, self.warm_step = saved.get("step", 0), saved.get("updates", 0), 0
