@@ -10,13 +10,14 @@ import itertools
 import json
 import math
 import os
+import random
 import shutil
 import signal
 import sys
 import time
 from collections import deque
 from contextlib import contextmanager, suppress
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -74,7 +75,18 @@ RULES = {
         for k in ("clip_coef", "ent_coef", "vf_coef", "alpha", "policy_noise", "noise_clip", "exploration_noise")
     },
     "target_kl": (lambda v: v is None or (math.isfinite(v) and v > 0), "a finite number > 0"),
+    "checkpoint_every": (lambda v: math.isfinite(v) and v >= 0, "a finite number of seconds >= 0 (0: off)"),
 }
+
+
+@dataclass
+class Resumable:
+    """The flags of preemption-safe runs, shared by every script's Args (`class Args(Resumable)`)."""
+
+    resume: str | None = None
+    """a run folder (or its resume.pt) to continue where it stopped, with the same flags"""
+    checkpoint_every: float = 0.0
+    """seconds between resumable checkpoints (runs/{run_name}/resume.pt; 0: only when stopped)"""
 
 
 def fail(message, every_rank=False):
@@ -95,6 +107,8 @@ FILES_PER_SEED = 4
 
 def check_args(args, atari=False):
     """The flags' rules, the budget and the env (`atari`: an envpool game), before any work."""
+    if getattr(args, "resume", None):  # flags not given take the checkpoint's values, before any rule
+        resolve_resume(args, sys._getframe(1).f_globals.get("__file__", ""))
     for name, value in vars(args).items():
         if name in RULES and not RULES[name][0](value):
             fail(f"--{name.replace('_', '-')} {value} is out of range: use {RULES[name][1]}")
@@ -307,6 +321,228 @@ def load_checkpoint(path, networks, env_id, algorithm):
         fail(f"{path!r} holds {algorithm} networks for {saved_env} of other sizes: {hint}")
 
 
+# ---------------------------------------------------------------- RESUME
+
+# Flags a resumed run may change (speed, tracking, outputs; --total-timesteps extends the run); flags not
+# given take the run's values.
+FREE_ON_RESUME = {
+    "resume", "checkpoint_every", "total_timesteps", "track", "wandb_project_name", "wandb_entity", "capture_video",
+    "save_model", "load_model", "eval_episodes", "compile", "cudagraphs", "threads", "cuda", "backend", "dist_timeout",
+}  # fmt: skip
+RESUMING = {}  # id(args) -> the checkpoint that check_args read for it, until its Run takes it
+SKIP = object()
+
+
+def to_plain(x):
+    """`x` in the types a weights_only checkpoint holds (tensors, plain types), or SKIP."""
+    if isinstance(x, np.generic):  # before float: np.float64 is one
+        return x.item()
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if isinstance(x, torch.Tensor):
+        return x.detach().to("cpu", copy=True)
+    if isinstance(x, np.ndarray):
+        if x.dtype == object:
+            return SKIP
+        kind = x.dtype.str  # uint32 and others torch cannot hold travel as int64
+        return {"__ndarray__": torch.from_numpy(x.astype(np.int64) if x.dtype.kind == "u" else x.copy()), "dtype": kind}
+    if isinstance(x, np.random.Generator):
+        return {"__generator__": x.bit_generator.state}
+    if isinstance(x, (tuple, list, deque)):
+        items = [to_plain(v) for v in x]
+        kind = "__deque__" if isinstance(x, deque) else "__list__" if isinstance(x, list) else "__tuple__"
+        return SKIP if any(v is SKIP for v in items) else {kind: items, "maxlen": getattr(x, "maxlen", None)}
+    if isinstance(x, dict):
+        items = {k: to_plain(v) for k, v in x.items()}
+        return SKIP if any(v is SKIP or not isinstance(k, (str, int)) for k, v in items.items()) else {"__dict__": items}
+    return SKIP
+
+
+def from_plain(x, device=None):
+    """The inverse of `to_plain`; tensors go to `device`."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device) if device is not None else x
+    if not isinstance(x, dict):
+        return x
+    if "__ndarray__" in x:
+        return x["__ndarray__"].numpy().astype(np.dtype(x["dtype"]))
+    if "__generator__" in x:
+        generator = np.random.Generator(getattr(np.random, x["__generator__"]["bit_generator"])())
+        generator.bit_generator.state = x["__generator__"]
+        return generator
+    if "__dict__" in x:
+        return {k: from_plain(v, device) for k, v in x["__dict__"].items()}
+    kind, items = next(iter(x.items()))
+    items = [from_plain(v, device) for v in items]
+    return {"__tuple__": tuple, "__list__": list}.get(kind, lambda v: deque(v, maxlen=x["maxlen"]))(items)
+
+
+def object_state(obj):
+    """What a run needs of `obj` to continue exactly: a module's or optimizer's state_dict, a
+    TensorDict's tensors, a gymnasium env's layers (their plain attributes and random generators;
+    MuJoCo's integration state), or the plain attributes of any other object (a replay buffer's
+    filled rows only)."""
+    if isinstance(obj, torch.Tensor):  # a value updated in place (SAC's alpha)
+        return {"tensor": obj.detach().cpu().clone()}
+    if hasattr(obj, "flatten_keys"):  # a TensorDict of stacked parameters
+        return {"tensors": {k: v.detach().cpu().clone() for k, v in obj.flatten_keys(".").items()}}
+    if isinstance(obj, np.random.Generator):
+        return {"generator": obj.bit_generator.state}
+    if callable(obj) and not isinstance(obj, nn.Module):  # a function: the generators it closes over
+        return {"closure": [g.bit_generator.state for g in closure_generators(obj)]}
+    if isinstance(obj, (nn.Module, torch.optim.Optimizer, Adam)):
+        return {"state_dict": obj.state_dict()}
+    if isinstance(obj, (gym.Env, gym.vector.VectorEnv)):
+        return {"layers": [layer_state(layer) for layer in env_layers(obj)]}
+    if hasattr(obj, "flush"):
+        obj.flush()  # staged rows go to the storage first
+    size, rows = getattr(obj, "size", None), getattr(obj, "buffer_size", None)
+    state = {}
+    for name, value in vars(obj).items():
+        if isinstance(value, dict) and name == "stage":
+            continue
+        if isinstance(value, dict) and all(isinstance(v, torch.Tensor) for v in value.values()):
+            value = {k: v[:size] if rows and len(v) == rows else v for k, v in value.items()}
+        elif rows and isinstance(value, (np.ndarray, torch.Tensor)) and value.ndim and len(value) == rows:
+            value = value[:size]  # only the filled rows
+        plain = to_plain(value)
+        if plain is not SKIP:
+            state[name] = plain
+    return {"attributes": state}
+
+
+def load_object_state(obj, state):
+    if "tensor" in state:
+        obj.detach().copy_(state["tensor"])
+    elif "generator" in state:
+        obj.bit_generator.state = state["generator"]
+    elif "closure" in state:
+        for generator, saved in zip(closure_generators(obj), state["closure"], strict=True):
+            generator.bit_generator.state = saved
+    elif "state_dict" in state:
+        obj.load_state_dict(state["state_dict"])
+    elif "tensors" in state:
+        for k, v in obj.flatten_keys(".").items():
+            v.detach().copy_(state["tensors"][k])
+    elif "layers" in state:
+        for layer, saved in zip(env_layers(obj), state["layers"]):
+            load_layer_state(layer, saved)
+    else:
+        for name, saved in state["attributes"].items():
+            value, current = from_plain(saved), getattr(obj, name)
+            if isinstance(current, dict) and isinstance(value, dict):
+                for k, v in value.items():
+                    current[k][: len(v)].copy_(v.to(current[k].device)) if isinstance(v, torch.Tensor) else None
+            elif isinstance(current, (np.ndarray, torch.Tensor)) and current.ndim and len(value) <= len(current):
+                # In place: views of it (a seed's part, a compiled graph's input) see the saved values.
+                current[: len(value)] = value if isinstance(current, np.ndarray) else value.to(current.device)
+            else:
+                setattr(obj, name, value if not isinstance(current, torch.Tensor) else value.to(current.device))
+
+
+def closure_generators(fn):
+    """The numpy generators a function (a policy's noise) closes over."""
+    cells = getattr(getattr(fn, "_torchdynamo_orig_callable", fn), "__closure__", None) or ()
+    return [c.cell_contents for c in cells if isinstance(c.cell_contents, np.random.Generator)]
+
+
+def env_layers(env):
+    """A (vector) env's layers, outside in: each wrapper, then the sub-envs' layers."""
+    layers = []
+    while env is not None:
+        layers.append(env)
+        for sub in getattr(env, "envs", None) or []:
+            layers.extend(env_layers(sub))
+        env = getattr(env, "env", None)
+    return layers
+
+
+def layer_state(layer):
+    state = {k: p for k, v in vars(layer).items() if k not in ("env", "envs") and (p := to_plain(v)) is not SKIP}
+    for k, v in vars(layer).items():
+        if isinstance(v, gym.spaces.Space) and v._np_random is not None:  # a space's own generator (its sample())
+            state[f"__space__{k}"] = to_plain(v._np_random)
+        elif k not in state and type(v).__name__ == "RunningMeanStd":  # observation and reward normalization
+            state[f"__stats__{k}"] = {name: to_plain(x) for name, x in vars(v).items()}
+    if hasattr(layer, "data") and hasattr(layer, "model") and type(layer.data).__name__ == "MjData":
+        import mujoco
+
+        spec = mujoco.mjtState.mjSTATE_INTEGRATION
+        buf = np.empty(mujoco.mj_stateSize(layer.model, spec))
+        mujoco.mj_getState(layer.model, layer.data, buf, spec)
+        state["__mujoco__"] = torch.from_numpy(buf)
+    return state
+
+
+def load_layer_state(layer, state):
+    for k, v in state.items():
+        if k == "__mujoco__":
+            import mujoco
+
+            mujoco.mj_setState(layer.model, layer.data, v.numpy(), mujoco.mjtState.mjSTATE_INTEGRATION)
+            mujoco.mj_forward(layer.model, layer.data)
+        elif k.startswith("__space__"):
+            getattr(layer, k.removeprefix("__space__"))._np_random = from_plain(v)
+        elif k.startswith("__stats__"):
+            for name, x in v.items():
+                setattr(getattr(layer, k.removeprefix("__stats__")), name, from_plain(x))
+        else:
+            setattr(layer, k, from_plain(v))
+
+
+def random_state():
+    state = {"torch": torch.get_rng_state(), "numpy": to_plain(np.random.get_state()), "python": to_plain(random.getstate())}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_random_state(state):
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(from_plain(state["numpy"]))
+    random.setstate(from_plain(state["python"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def resolve_resume(args, script):
+    """--resume: read the checkpoint, check that it is this script's and that no flag contradicts it,
+    and give every flag left at its default the checkpoint's value (a flag given as its default
+    value counts as not given)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        fail("--resume under torchrun is not supported yet (each rank's envs and streams): resume a single process")
+    path = Path(args.resume)
+    path = path / "resume.pt" if path.is_dir() else path
+    if not path.is_file():
+        fail(f"--resume {args.resume}: no checkpoint there; pass a run folder (runs/<run_name>) holding resume.pt")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        saved_args, saved_script = checkpoint["args"], checkpoint["script"]
+    except Exception as e:  # torch.load raises many types for a file that is no checkpoint
+        fail(f"--resume {args.resume}: cannot read its checkpoint ({type(e).__name__}); it is corrupt or not one")
+    name = os.path.basename(script)
+    if saved_script != name:
+        fail(f"--resume {args.resume} is a checkpoint of {saved_script}, not of {name}: resume it with that script")
+    defaults = type(args)()
+    for key, saved in saved_args.items():
+        given = getattr(args, key, saved)
+        if key in ("resume", "load_model"):
+            continue
+        if given == getattr(defaults, key, given):
+            setattr(args, key, saved)
+        elif given != saved and key not in FREE_ON_RESUME:
+            flag = f"--{key.replace('_', '-')}"
+            fail(
+                f"{flag} {given} contradicts the checkpoint ({flag} {saved}): resume with the flags of the run, or start anew"
+            )
+    if checkpoint["finished"] and args.total_timesteps <= saved_args["total_timesteps"]:
+        fail(
+            f"--resume {args.resume}: that run already finished its {saved_args['total_timesteps']} steps; "
+            "pass a larger --total-timesteps to extend it"
+        )
+    RESUMING[id(args)] = checkpoint | {"dir": str(path.parent)}
+
+
 # ---------------------------------------------------------------- RUN
 
 # Runs whose folder this process made and that have not reached a log point: a refusal (`fail`)
@@ -327,18 +563,30 @@ class Run:
         self.lead, self.seeds, self.eval_return = lead or self, [self], None
         if lead:
             lead.seeds.append(self)
-        self.time = lead.time if lead else int(time.time())
+        # --resume: this seed's part of the checkpoint that check_args read (see resolve_resume).
+        self.resumed = lead.resumed if lead else RESUMING.pop(id(args), None)
+        saved = self.resumed["seeds"][len(self.lead.seeds) - 1] if self.resumed else {}
+        self.time = lead.time if lead else self.resumed["time"] if self.resumed else int(time.time())
         self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{self.time}"
-        self.dir = f"runs/{self.name}"
+        # A resumed run writes on in its folder, wherever it is (each seed's beside the lead's).
+        if self.resumed:
+            self.name = saved.get("name", self.name)
+            self.dir = self.resumed["dir"] if not lead else os.path.join(os.path.dirname(self.resumed["dir"]), self.name)
+        else:
+            self.dir = f"runs/{self.name}"
         self.wandb = self.writer = self.last_good = self.stop_reason = self.save_error = self.warmup_s = self.last_sps = None
         self.interrupted, self.returns, self.points = False, deque(maxlen=10), []
-        self.step = self.updates = self.warm_step = 0
-        self.total_steps, self.bar = total_steps, None
+        self.step, self.updates, self.warm_step = saved.get("step", 0), saved.get("updates", 0), 0
+        self.returns.extend(saved.get("returns", []))
+        self.total_steps, self.bar, self.offset_s = total_steps, None, self.resumed["wall_s"] if self.resumed else 0.0
         self.start = self.warm_time = time.perf_counter()
+        self.stop_signal, self.in_loop, self.objects, self.loop = None, False, {}, None
+        # Under torchrun a stop waits for no iteration's end (the ranks' ends differ) and nothing is saved to resume.
+        self.resumable = int(os.environ.get("WORLD_SIZE", "1")) == 1
         if not lead:
             signal.signal(signal.SIGTERM, self.on_sigterm)
             if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where a shell ignores it
-                signal.signal(signal.SIGINT, self.on_sigint)
+                signal.signal(signal.SIGINT, self.on_sigterm)
             sys.excepthook = self.on_uncaught
         if not self.main:
             self.curve = open(os.devnull, "w")
@@ -350,19 +598,29 @@ class Run:
                 fail("--track needs wandb: pip install wandb (or the extra leanrl[track])")
             self.wandb = wandb
         try:
-            self.make_dir()
             # Line-buffered: each log point's row is in the file at once, whatever kills the run later.
-            self.curve = open(f"{self.dir}/curve.csv", "w", buffering=1)
+            if self.resumed:
+                os.makedirs(self.dir, exist_ok=True)
+                self.curve = open(f"{self.dir}/curve.csv", "a", buffering=1)
+                self.curve.truncate(saved["curve_bytes"])  # points written after the checkpoint come again
+                for name in os.listdir(self.dir):
+                    if name.startswith("events.out.tfevents"):
+                        with open(f"{self.dir}/{name}", "r+b") as events:
+                            events.truncate(saved["events"].get(name, 0))
+            else:
+                self.make_dir()
+                self.curve = open(f"{self.dir}/curve.csv", "w", buffering=1)
+                self.curve.write("step,seconds,episodic_return\n")
         except OSError as e:
             fail(f"cannot write {self.dir} ({e.strerror}): run from a folder you can write to")
-        self.curve.write("step,seconds,episodic_return\n")
         try:
             from tensorboard.compat.proto.summary_pb2 import Summary
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer, self.summary = SummaryWriter(os.path.abspath(self.dir)), Summary  # its thread may outlive a chdir
             table = "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
-            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
+            if not self.resumed:
+                self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
         except ImportError:
             if not lead:
                 notice = "tensorboard is not installed; metrics go to --track only (pip install tensorboard)"
@@ -370,6 +628,7 @@ class Run:
         if self.wandb:
             # Several runs live at once only with reinit="create_new" (wandb 0.19.10 or later).
             seeds = {"group": self.lead.name, "reinit": "create_new"} if getattr(args, "num_seeds", 1) > 1 else {}
+            seeds.update({"id": saved["wandb_id"], "resume": "allow"} if saved.get("wandb_id") else {})
             project, entity, config = args.wandb_project_name, args.wandb_entity, vars(args)
             self.wandb = self.wandb.init(
                 project=project, entity=entity, config=config, name=self.name, save_code=True, **seeds
@@ -411,16 +670,83 @@ class Run:
         """--load-model into `networks` (name -> module)."""
         load_checkpoint(self.args.load_model, networks, self.args.env_id, self.algorithm)
 
-    def on_sigint(self, signum, frame):
-        """Ctrl-C ends the run as an interrupted one, saving first; a second waits for the save:
-        under torchrun each rank gets the terminal's Ctrl-C and then torchrun's own."""
+    def on_sigterm(self, signum, frame):
+        """Ctrl-C, and SIGTERM by which schedulers stop jobs, end the run, saving first. In the
+        training loop both wait for the end of the iteration, where the state is whole
+        (`iterations`); a second one does not wait. Once raised, a further Ctrl-C waits for the
+        save: under torchrun each rank gets the terminal's Ctrl-C and then torchrun's own."""
+        if self.in_loop and not self.stop_signal and self.resumable:
+            self.stop_signal = signum
+            return
+        self.interrupted = signum
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         raise KeyboardInterrupt
 
-    def on_sigterm(self, signum, frame):
-        """Schedulers stop jobs with SIGTERM: end the run as Ctrl-C does, saving first."""
-        self.interrupted = signal.SIGTERM
-        raise KeyboardInterrupt
+    def resume(self, objects, loop, device="cpu"):
+        """What `save_resume` saves: `objects` (name -> module, optimizer, replay buffer, envs, ...;
+        False: none) and `loop()`, the loop's variables. With --resume, loads them all and the random
+        streams, and returns the saved loop variables (tensors on `device`); else returns `loop()`."""
+        self.objects, self.loop = {name: obj for name, obj in objects.items() if obj is not False}, loop
+        if not self.resumed:
+            return loop()
+        try:
+            for name, obj in self.objects.items():
+                load_object_state(obj, self.resumed["objects"][name])
+        except (KeyError, RuntimeError, ValueError, IndexError) as e:
+            fail(f"--resume {self.args.resume}: its state does not fit this run ({type(e).__name__}); start anew")
+        set_random_state(self.resumed["random"])
+        if self.main:
+            print(f"notice: resuming {self.dir} after step {self.step}", file=sys.stderr)
+        return tuple(from_plain(v, device) for v in self.resumed["loop"]["__tuple__"])
+
+    def iterations(self, start, stop):
+        """The training loop's iterations, start .. stop - 1. Ctrl-C and SIGTERM stop it between two
+        iterations, after saving what `resume` names; with --checkpoint-every it also saves every
+        that many seconds, and at the end."""
+        every, due = getattr(self.args, "checkpoint_every", 0), time.perf_counter()
+        self.in_loop = True
+        try:
+            for i in range(start, stop):
+                if self.stop_signal:
+                    self.interrupted = self.stop_signal
+                    self.save_resume(i, stop)
+                    raise KeyboardInterrupt
+                if every and time.perf_counter() - due >= every:
+                    self.save_resume(i, stop)
+                    due = time.perf_counter()
+                yield i
+            if every or self.stop_signal or os.path.exists(f"{self.dir}/resume.pt"):  # marks the run finished
+                self.save_resume(stop, stop)
+            if self.stop_signal:
+                self.interrupted = self.stop_signal
+                raise KeyboardInterrupt
+        finally:
+            self.in_loop = False
+
+    def save_resume(self, iteration, stop):
+        """runs/<run_name>/resume.pt, atomically: everything `--resume` needs to continue at `iteration`."""
+        if not self.main or self.loop is None or not self.resumable:
+            return
+        seeds = []
+        for run in self.seeds:
+            run.write()
+            run.curve.flush()
+            if run.writer:
+                run.writer.flush()
+            events = {f: os.path.getsize(f"{run.dir}/{f}") for f in os.listdir(run.dir) if f.startswith("events.out.tfevents")}
+            wandb_id = run.wandb.id if run.wandb else None
+            seeds.append(
+                {"name": run.name, "step": run.step, "updates": run.updates, "returns": list(run.returns)}
+                | {"curve_bytes": run.curve.tell(), "events": events, "wandb_id": wandb_id}
+            )
+        state = {
+            "script": self.script, "algorithm": self.algorithm, "args": vars(self.args), "time": self.time,
+            "iteration": iteration, "finished": iteration >= stop, "wall_s": self.offset_s + time.perf_counter() - self.start,
+            "seeds": seeds, "objects": {name: object_state(obj) for name, obj in self.objects.items()},
+            "loop": to_plain(tuple(self.loop())), "random": random_state(),
+        }  # fmt: skip
+        with signals_held():
+            atomic_save(state, f"{self.dir}/resume.pt")
 
     def interrupt(self):
         """Ctrl-C (or SIGTERM) in the training loop: every seed ends as interrupted."""
@@ -496,7 +822,8 @@ class Run:
         FRESH_RUNS.discard(self)
         if self.bar is None:
             hidden = not self.main or self.lead is not self
-            self.bar = tqdm.tqdm(total=self.total_steps * len(self.seeds), file=sys.stderr, disable=hidden)
+            initial = self.step * len(self.seeds)
+            self.bar = tqdm.tqdm(total=self.total_steps * len(self.seeds), initial=initial, file=sys.stderr, disable=hidden)
         self.bar.update((step - self.step) * len(self.seeds))
         self.step, self.updates, now = step, updates, time.perf_counter()
         if self.warmup_s is None and updates >= self.warmup_updates:
@@ -508,7 +835,7 @@ class Run:
         shown = np.mean(means) if means else float("nan")
         self.bar.set_description(f"sps={(sps or float('nan')) * len(self.seeds):6.0f} return={shown:8.2f}")
         if self.returns:
-            self.curve.write(f"{step},{now - self.start:.3f},{mean_return:.3f}\n")
+            self.curve.write(f"{step},{now - self.start + self.offset_s:.3f},{mean_return:.3f}\n")
         self.scalars(step, {**metrics, "charts/SPS": sps or 0.0})
         self.write()
         if self.args.save_model:
@@ -520,7 +847,7 @@ class Run:
         """Save, evaluate, close and print the summary. Exit 1 after a non-finite loss or a failed
         save, 130 after Ctrl-C, 143 after SIGTERM; a checkpoint is only ever saved from finite weights."""
         self.step, self.updates = step, updates
-        end_sps, wall_s = self.last_sps, time.perf_counter() - self.start
+        end_sps, wall_s = self.last_sps, time.perf_counter() - self.start + self.offset_s
         FRESH_RUNS.discard(self)
 
         def note_signal(signum, frame):
@@ -683,6 +1010,14 @@ class Adam:
         self.exp_avg_sqs = [torch.zeros_like(p) for p in self.params.values()]
         self.steps = [torch.zeros((), device=p.device) for p in self.params.values()]
         self.lr, self.eps, self.fused, self.capturable = lr, eps, fused, capturable
+
+    def state_dict(self):
+        return {"exp_avgs": self.exp_avgs, "exp_avg_sqs": self.exp_avg_sqs, "steps": self.steps}
+
+    def load_state_dict(self, state):
+        for key, tensors in state.items():
+            for mine, saved in zip(getattr(self, key), tensors):
+                mine.copy_(saved)
 
     @torch.no_grad()
     def step(self, grads):

@@ -23,11 +23,11 @@ import torch.nn.functional as F
 import torch.optim as optim
 import tyro
 
-from leanrl_utils import Run, check_args, check_memory, fail, real_next_obs
+from leanrl_utils import Resumable, Run, check_args, check_memory, fail, real_next_obs
 
 
 @dataclass
-class Args:
+class Args(Resumable):
     # common
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
@@ -229,8 +229,10 @@ def main(args: Args):
     global_step = updates = 0
     loss = old_val = None
     obs, _ = envs.reset(seed=args.seed)
+    objects = {"q_network": q_network, "target_network": target_network, "optimizer": optimizer, "rb": rb, "envs": envs}
+    global_step, updates, loss, old_val, obs = run.resume(objects, lambda: (global_step, updates, loss, old_val, obs), device)
     try:
-        for iteration in range(num_iterations):
+        for iteration in run.iterations(global_step // args.num_envs, num_iterations):
             epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_fraction * args.total_timesteps, global_step)
             # One coin per env, so that several envs explore as one env would.
             explore = np.random.random(args.num_envs) < epsilon

@@ -29,6 +29,7 @@ from tensordict.nn import CudaGraphModule
 from leanrl_utils import (
     Adam,
     ReplayBuffer,
+    Resumable,
     SameStepEnvs,
     check_args,
     check_memory,
@@ -48,7 +49,7 @@ from leanrl_utils import (
 
 
 @dataclass
-class Args:
+class Args(Resumable):
     # common
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
@@ -317,10 +318,14 @@ def main(args: Args):
     # Env i of seed k gets the env seed a single run of seed + k gives it.
     obs, _ = envs.reset(seed=[args.seed + k + i for k in range(num_seeds) for i in range(args.num_envs)])
     obs = obs.reshape(num_seeds * args.num_envs, n_obs).astype(np.float32, copy=False)
+    explore = random_actions = epsilons = None
+    objects = {"q_params": q_params, "target_params": target_params, "optimizer": optimizer, "rb": rb, "envs": envs}
+    loop = lambda: (global_step, updates, metrics, epsilon, obs, explore, random_actions, epsilons)
+    global_step, updates, metrics, epsilon, obs, explore, random_actions, epsilons = run.resume(objects, loop, device)
     try:
         # Gradients come from torch.func inside the update, which this context does not reach.
         with torch.no_grad():
-            for iteration in range(num_iterations):
+            for iteration in run.iterations(global_step // args.num_envs, num_iterations):
                 step = iteration % draw_steps
                 if step == 0:
                     # Drawn on the host, where the env is: a step where every env explores skips the network.

@@ -25,11 +25,11 @@ import torch.optim as optim
 import tyro
 from torch.distributions.categorical import Categorical
 
-from leanrl_utils import Run, check_args, check_rollout, envpool_envs, fail
+from leanrl_utils import Resumable, Run, check_args, check_rollout, envpool_envs, fail
 
 
 @dataclass
-class Args:
+class Args(Resumable):
     # common
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
@@ -196,8 +196,10 @@ def main(args: Args):
     next_obs, _ = envs.reset()
     next_obs = torch.as_tensor(next_obs).to(device)
     next_done = torch.zeros(args.num_envs).to(device)
+    # envpool's games cannot be saved: a resumed run starts fresh episodes.
+    global_step, updates = run.resume({"agent": agent, "optimizer": optimizer}, lambda: (global_step, updates))
     try:
-        for iteration in range(1, num_iterations + 1):
+        for iteration in run.iterations(global_step // batch_size + 1, num_iterations + 1):
             if args.anneal_lr:
                 frac = 1.0 - (iteration - 1.0) / num_iterations
                 optimizer.param_groups[0]["lr"] = frac * args.learning_rate

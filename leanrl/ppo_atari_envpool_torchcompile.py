@@ -38,6 +38,7 @@ from tensordict.nn import CudaGraphModule
 
 from leanrl_utils import (
     Adam,
+    Resumable,
     all_reduce_mean,
     broadcast_parameters,
     check_args,
@@ -60,7 +61,7 @@ from leanrl_utils import (
 
 
 @dataclass
-class Args:
+class Args(Resumable):
     # common
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
@@ -438,8 +439,10 @@ def main(args: Args):
     next_obs = torch.as_tensor(next_obs, device=device)
     next_done = torch.zeros(num_envs, device=device)
     lost = False
+    # envpool's games cannot be saved: a resumed run starts fresh episodes.
+    global_step, updates = run.resume({"params": params, "optimizer": optimizer}, lambda: (global_step, updates))
     try:
-        for iteration in range(1, num_iterations + 1):
+        for iteration in run.iterations(global_step // global_batch + 1, num_iterations + 1):
             lr_now = args.learning_rate
             if args.anneal_lr:
                 lr_now = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate

@@ -25,11 +25,11 @@ import torch.optim as optim
 import tyro
 from torch.distributions.normal import Normal
 
-from leanrl_utils import Run, check_args, check_rollout, env_sizes, fail
+from leanrl_utils import Resumable, Run, check_args, check_rollout, env_sizes, fail
 
 
 @dataclass
-class Args:
+class Args(Resumable):
     # common
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
@@ -278,8 +278,12 @@ def main(args: Args):
     next_obs, _ = envs.reset(seed=args.seed)
     next_obs = torch.Tensor(next_obs).to(device)
     next_done = torch.zeros(args.num_envs).to(device)
+    objects = {"agent": agent, "optimizer": optimizer, "envs": envs}
+    global_step, updates, next_obs, next_done = run.resume(
+        objects, lambda: (global_step, updates, next_obs, next_done), device
+    )
     try:
-        for iteration in range(1, num_iterations + 1):
+        for iteration in run.iterations(global_step // batch_size + 1, num_iterations + 1):
             if args.anneal_lr:
                 frac = 1.0 - (iteration - 1.0) / num_iterations
                 optimizer.param_groups[0]["lr"] = frac * args.learning_rate

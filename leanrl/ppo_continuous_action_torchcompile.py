@@ -33,6 +33,7 @@ from tensordict.nn import CudaGraphModule
 
 from leanrl_utils import (
     Adam,
+    Resumable,
     SameStepEnvs,
     all_reduce_mean,
     broadcast_parameters,
@@ -57,7 +58,7 @@ from leanrl_utils import (
 
 
 @dataclass
-class Args:
+class Args(Resumable):
     # common
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
@@ -385,11 +386,7 @@ class Normalization:
         return clip(action, self.low, self.high)
 
     def state_dict(self):
-        return {
-            "mean": torch.from_numpy(self.mean),
-            "var": torch.from_numpy(self.var),
-            "count": torch.from_numpy(self.count[:, 0]),
-        }
+        return {k: torch.from_numpy(v) for k, v in (("mean", self.mean), ("var", self.var), ("count", self.count[:, 0]))}
 
     def seed(self, k, num_envs):
         """Seed k's sub-envs (k * num_envs onwards), on views of these statistics: what it saves."""
@@ -519,8 +516,11 @@ def main(args: Args):
     next_obs = normalization.obs(next_obs.reshape(num_envs, n_obs))
     next_done = torch.zeros(num_envs, device=device)
     lost = False
+    objects = {"params": params, "optimizer": optimizer, "normalization": normalization, "envs": envs, "policy": policy}
+    loop = lambda: (global_step, updates, next_obs, next_done)
+    global_step, updates, next_obs, next_done = run.resume(objects, loop, device)
     try:
-        for iteration in range(1, num_iterations + 1):
+        for iteration in run.iterations(global_step // global_batch + 1, num_iterations + 1):
             lr_now = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate if args.anneal_lr else args.learning_rate
             lr.copy_(lr_now)
 

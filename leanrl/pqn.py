@@ -25,11 +25,11 @@ import torch.nn.functional as F
 import torch.optim as optim
 import tyro
 
-from leanrl_utils import Run, check_args, check_rollout, env_sizes, fail
+from leanrl_utils import Resumable, Run, check_args, check_rollout, env_sizes, fail
 
 
 @dataclass
-class Args:
+class Args(Resumable):
     # common
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
@@ -226,8 +226,10 @@ def main(args: Args):
     epsilon, lr_now = args.start_e, args.learning_rate
     next_obs, _ = envs.reset(seed=args.seed)
     next_obs = torch.Tensor(next_obs).to(device).flatten(1)
+    objects = {"q_network": q_network, "optimizer": optimizer, "envs": envs}
+    global_step, updates, next_obs = run.resume(objects, lambda: (global_step, updates, next_obs), device)
     try:
-        for iteration in range(1, num_iterations + 1):
+        for iteration in run.iterations(global_step // batch_size + 1, num_iterations + 1):
             if args.anneal_lr:
                 lr_now = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
                 optimizer.param_groups[0]["lr"] = lr_now

@@ -32,6 +32,7 @@ from tensordict.nn import CudaGraphModule
 
 from leanrl_utils import (
     RAdam,
+    Resumable,
     check_args,
     check_rollout,
     envpool_envs,
@@ -46,7 +47,7 @@ from leanrl_utils import (
 
 
 @dataclass
-class Args:
+class Args(Resumable):
     # common
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
@@ -321,10 +322,12 @@ def main(args: Args):
     epsilon_value, lr_now = args.start_e, args.learning_rate
     next_obs, _ = envs.reset()
     next_obs = torch.as_tensor(next_obs, device=device)
+    # envpool's games cannot be saved: a resumed run starts fresh episodes.
+    global_step, updates = run.resume({"q_network": q_network, "optimizer": optimizer}, lambda: (global_step, updates))
     try:
         # Gradients come from torch.func inside the update, which this context does not reach.
         with torch.no_grad():
-            for iteration in range(1, num_iterations + 1):
+            for iteration in run.iterations(global_step // batch_size + 1, num_iterations + 1):
                 if args.anneal_lr:
                     lr_now = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
                     lr.copy_(lr_now)

@@ -37,6 +37,7 @@ from tensordict.nn import CudaGraphModule
 
 from leanrl_utils import (
     RAdam,
+    Resumable,
     SameStepEnvs,
     check_args,
     check_rollout,
@@ -56,7 +57,7 @@ from leanrl_utils import (
 
 
 @dataclass
-class Args:
+class Args(Resumable):
     # common
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
@@ -381,9 +382,7 @@ def main(args: Args):
         if device.type == "cuda":
             policy = torch.compile(policy, options={"guard_filter_fn": value_guards})
     if cudagraphs:
-        update = CudaGraphModule(update)
-        returns_fn = CudaGraphModule(returns_fn)
-        policy = CudaGraphModule(policy)
+        update, returns_fn, policy = CudaGraphModule(update), CudaGraphModule(returns_fn), CudaGraphModule(policy)
     if device.type != "cpu":
         policy = host_arrays(policy, device)
 
@@ -393,19 +392,19 @@ def main(args: Args):
     # Env i of seed k gets the env seed a single run of seed + k gives it.
     obs, _ = envs.reset(seed=[args.seed + k + i for k in range(num_seeds) for i in range(args.num_envs)])
     obs = obs.reshape(sub_envs, n_obs).astype(np.float32, copy=False)
+    objects = {"q_params": q_params, "optimizer": optimizer, "envs": envs}
+    global_step, updates, obs = run.resume(objects, lambda: (global_step, updates, obs), device)
     try:
         # Gradients come from torch.func inside the update, which this context does not reach.
         with torch.no_grad():
-            for iteration in range(1, num_iterations + 1):
+            for iteration in run.iterations(global_step // batch_size + 1, num_iterations + 1):
                 if args.anneal_lr:
                     lr_now = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
                     lr.copy_(lr_now)
 
                 # Each step's epsilon is the schedule's after counting that step's env steps.
-                epsilons = [
-                    linear_schedule(args.start_e, args.end_e, duration, global_step + args.num_envs * (t + 1))
-                    for t in range(args.num_steps)
-                ]
+                counts = range(global_step + args.num_envs, global_step + args.num_envs * (args.num_steps + 1), args.num_envs)
+                epsilons = [linear_schedule(args.start_e, args.end_e, duration, t) for t in counts]
                 # Drawn on the host, where acting mixes them in.
                 explore, random_actions = (x.numpy() for x in draw_exploration(epsilons, sub_envs, n_act, "cpu"))
                 epsilon = epsilons[-1]

@@ -27,11 +27,11 @@ import torch.nn.functional as F
 import torch.optim as optim
 import tyro
 
-from leanrl_utils import Run, check_args, check_memory, fail, real_next_obs
+from leanrl_utils import Resumable, Run, check_args, check_memory, fail, real_next_obs
 
 
 @dataclass
-class Args:
+class Args(Resumable):
     # common
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
@@ -291,9 +291,16 @@ def main(args: Args):
     rb = ReplayBuffer(args.buffer_size, n_obs, n_act)
 
     global_step = updates = 0
+    qf1_a_values = qf2_a_values = qf1_loss = qf2_loss = qf_loss = actor_loss = alpha_loss = None
     obs, _ = envs.reset(seed=args.seed)
+    # What --resume restores: the objects, and the loop's variables (the losses logged at the next log point).
+    optimizers = {"q_optimizer": q_optimizer, "actor_optimizer": actor_optimizer, "a_optimizer": args.autotune and a_optimizer}
+    objects = {**networks, "qf1_target": qf1_target, "qf2_target": qf2_target, "rb": rb, "envs": envs, **optimizers}
+    last = lambda: (qf1_a_values, qf2_a_values, qf1_loss, qf2_loss, qf_loss, actor_loss, alpha_loss)
+    global_step, updates, obs, alpha, saved = run.resume(objects, lambda: (global_step, updates, obs, alpha, last()), device)
+    qf1_a_values, qf2_a_values, qf1_loss, qf2_loss, qf_loss, actor_loss, alpha_loss = saved
     try:
-        for iteration in range(num_iterations):
+        for iteration in run.iterations(global_step // args.num_envs, num_iterations):
             if global_step < args.learning_starts:
                 actions = envs.action_space.sample()
             else:

@@ -34,6 +34,7 @@ from tensordict.nn import CudaGraphModule
 from leanrl_utils import (
     Adam,
     ReplayBuffer,
+    Resumable,
     check_args,
     fail,
     finish_seeds,
@@ -49,7 +50,7 @@ from leanrl_utils import (
 
 
 @dataclass
-class Args:
+class Args(Resumable):
     # common
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
@@ -405,10 +406,15 @@ def main(args: Args):
     global_step = updates = 0
     critic_metrics = actor_metrics = None
     obs, _ = envs.reset(seed=args.seed)
+    optimizers = {"q_optimizer": q_optimizer, "actor_optimizer": actor_optimizer, "a_optimizer": args.autotune and a_optimizer}
+    objects = {"actor": actor, "entropy": entropy, "alpha": alpha, "q_params": q_params, "target_params": target_params}
+    objects |= {**optimizers, "rb": rb, "envs": envs}
+    loop = lambda: (global_step, updates, obs, critic_metrics, actor_metrics)
+    global_step, updates, obs, critic_metrics, actor_metrics = run.resume(objects, loop, device)
     try:
         # Gradients come from torch.func inside the updates, which this context does not reach.
         with torch.no_grad():
-            for iteration in range(num_iterations):
+            for iteration in run.iterations(global_step // args.num_envs, num_iterations):
                 if global_step < args.learning_starts:
                     actions = envs.action_space.sample()
                 else:

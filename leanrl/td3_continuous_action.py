@@ -26,11 +26,11 @@ import torch.nn.functional as F
 import torch.optim as optim
 import tyro
 
-from leanrl_utils import Run, check_args, check_memory, fail, real_next_obs
+from leanrl_utils import Resumable, Run, check_args, check_memory, fail, real_next_obs
 
 
 @dataclass
-class Args:
+class Args(Resumable):
     # common
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
@@ -261,11 +261,17 @@ def main(args: Args):
     rb = ReplayBuffer(args.buffer_size, n_obs, n_act)
 
     global_step = updates = 0
-    qf_loss = None
+    qf_loss = qf1_a_values = qf2_a_values = qf1_loss = qf2_loss = None
     actor_loss = torch.zeros(())
     obs, _ = envs.reset(seed=args.seed)
+    # What --resume restores: the objects, and the loop's variables (the losses logged at the next log point).
+    objects = {**networks, "qf1_target": qf1_target, "qf2_target": qf2_target, "target_actor": target_actor, "rb": rb}
+    objects |= {"q_optimizer": q_optimizer, "actor_optimizer": actor_optimizer, "envs": envs}
+    last = lambda: (qf1_a_values, qf2_a_values, qf1_loss, qf2_loss, qf_loss, actor_loss)
+    global_step, updates, obs, saved = run.resume(objects, lambda: (global_step, updates, obs, last()), device)
+    qf1_a_values, qf2_a_values, qf1_loss, qf2_loss, qf_loss, actor_loss = saved
     try:
-        for iteration in range(num_iterations):
+        for iteration in run.iterations(global_step // args.num_envs, num_iterations):
             if global_step < args.learning_starts:
                 actions = envs.action_space.sample()
             else:

@@ -33,6 +33,7 @@ from tensordict.nn import CudaGraphModule
 from leanrl_utils import (
     Adam,
     ReplayBuffer,
+    Resumable,
     check_args,
     fail,
     finish_seeds,
@@ -48,7 +49,7 @@ from leanrl_utils import (
 
 
 @dataclass
-class Args:
+class Args(Resumable):
     # common
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
@@ -385,10 +386,18 @@ def main(args: Args):
     metrics = torch.zeros(len(METRICS), device=device)
     obs, _ = envs.reset(seed=args.seed)
     obs = obs.astype(np.float32, copy=False)
+    objects = {
+        "params": params,
+        "target_params": target_params,
+        "q_optimizer": q_optimizer,
+        "actor_optimizer": actor_optimizer,
+    }
+    objects |= {"metrics": metrics, "rb": rb, "envs": envs}
+    global_step, updates, obs = run.resume(objects, lambda: (global_step, updates, obs), device)
     try:
         # Gradients come from torch.func inside the updates, which this context does not reach.
         with torch.no_grad():
-            for iteration in range(num_iterations):
+            for iteration in run.iterations(global_step // args.num_envs, num_iterations):
                 if global_step < args.learning_starts:
                     actions = envs.action_space.sample()
                 else:

@@ -1,0 +1,313 @@
+"""--resume: a run stopped partway (SIGTERM, or SIGKILL after a periodic checkpoint) and resumed
+ends as the same run unbroken: the same final weights, the same logged values at the same steps,
+no point twice or missing. Bad resumes end in one line and exit 2."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SCRIPTS, TINY, assert_one_line_error, family, run_script, script_command, scripts
+
+# Sends `signum` to the script's own process at its `at`-th env step (of one env), mid-iteration.
+SIGNAL_AT_STEP = """
+import os, gymnasium as gym
+_step, _calls = gym.wrappers.RecordEpisodeStatistics.step, [0]
+def step(self, action):
+    _calls[0] += 1
+    if _calls[0] == {at}:
+        os.kill(os.getpid(), {signum})
+    return _step(self, action)
+gym.wrappers.RecordEpisodeStatistics.step = step
+"""
+
+# envpool's Atari games count steps in leanrl_utils' vector wrapper: one call per vector step.
+SIGNAL_AT_VECTOR_STEP = SIGNAL_AT_STEP.replace(
+    "gym.wrappers.RecordEpisodeStatistics", "leanrl_utils.RecordEpisodeStatistics"
+).replace("import os, gymnasium as gym", "import os, leanrl_utils")
+
+# Right after --resume loads the run, its objects (the envs aside) hold what the checkpoint saved,
+# and the loop starts at the saved iteration.
+CHECK_RESUMED = """
+import sys, torch, leanrl_utils
+def same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+_resume, _iterations = leanrl_utils.Run.resume, leanrl_utils.Run.iterations
+def resume(self, objects, loop, device="cpu"):
+    out = _resume(self, objects, loop, device)
+    for name, obj in self.objects.items():
+        if name != "envs":
+            assert same(leanrl_utils.object_state(obj), self.resumed["objects"][name]), name
+    print("resume-check: objects ok", file=sys.stderr)
+    return out
+def iterations(self, start, stop):
+    assert start == self.resumed["iteration"], (start, self.resumed["iteration"])
+    print("resume-check: iteration ok", file=sys.stderr)
+    return _iterations(self, start, stop)
+leanrl_utils.Run.resume, leanrl_utils.Run.iterations = resume, iterations
+"""
+
+# Per family: the env step to stop at (after learning starts, between two log points).
+STOP_AT = {"dqn": 250, "pqn": 300, "sac_continuous_action": 150, "td3_continuous_action": 150, "ppo_continuous_action": 150}
+RESUMABLE = [s for s in scripts("*.py") if family(s) in STOP_AT]
+
+
+def start(script, workdir, *argv, before=None):
+    command = script_command(script, before=before) if before else [sys.executable, str(script)]
+    return subprocess.Popen(
+        [*command, *map(str, argv)],
+        cwd=workdir,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def scalars(run_dir):
+    """Every scalar in the run's TensorBoard events, (tag, step, value) in the order written, but
+    steps/s (a timing)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    points = []
+    for path in sorted(Path(run_dir).glob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                # The loader hands simple values over as float tensors of one element.
+                if value.tag != "charts/SPS" and len(value.tensor.float_val) == 1:
+                    points.append((value.tag, event.step, value.tensor.float_val[0]))
+    return points
+
+
+def curve_steps(run_dir):
+    return [line.split(",")[0] for line in (Path(run_dir) / "curve.csv").read_text().splitlines()]
+
+
+def loss_steps(run_dir):
+    """The steps of the first loss the run logs, in the order written."""
+    points = [(tag, step) for tag, step, _ in scalars(run_dir) if tag.startswith("losses/")]
+    return [step for tag, step in points if tag == points[0][0]]
+
+
+def assert_every_log_point_once(run_dir, total):
+    steps = [int(s) for s in curve_steps(run_dir)[1:]]  # none before the first episode ends (Atari)
+    assert steps == sorted(set(steps)) and steps[-1:] in ([], [total])
+    logged = loss_steps(run_dir)
+    every = logged[1] - logged[0]  # log points are evenly spaced: none missing, none twice
+    assert logged == list(range(logged[0], total + 1, every)), logged
+
+
+def final_weights(workdir, summary):
+    return torch.load(Path(workdir) / summary["checkpoint"], weights_only=True)["model"]
+
+
+@pytest.mark.parametrize("script", RESUMABLE, ids=lambda s: s.stem)
+def test_stopped_and_resumed_run_is_the_run_unbroken(script, tmp_path):
+    """SIGTERM mid-iteration after learning started, between two log points; --resume with no
+    other flag: weights, every logged value and the curve's steps equal bit for bit (eager, CPU)."""
+    (whole := tmp_path / "whole").mkdir()
+    (parts := tmp_path / "parts").mkdir()
+    tiny = [*TINY[family(script)], "--save-model"]
+    unbroken, _ = run_script(script, *tiny, cwd=whole)
+
+    before = SIGNAL_AT_STEP.format(at=STOP_AT[family(script)], signum=int(signal.SIGTERM))
+    proc = start(script, parts, *tiny, before=before)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 143, stderr
+    run_dir = parts / "runs" / os.listdir(parts / "runs")[0]
+    assert (run_dir / "resume.pt").is_file()
+
+    resumed, proc = run_script(script, "--resume", run_dir, "--save-model", cwd=parts)
+    assert "notice: resuming" in proc.stderr
+    assert resumed["total_steps"] == unbroken["total_steps"] and resumed["updates"] == unbroken["updates"]
+    assert Path(resumed["run_dir"]).resolve() == run_dir.resolve()
+    points = scalars(whole / unbroken["run_dir"])
+    assert any(tag.startswith("losses/") for tag, _, _ in points)
+    assert scalars(run_dir) == points
+    assert curve_steps(run_dir) == curve_steps(whole / unbroken["run_dir"])
+    expected, got = final_weights(whole, unbroken), final_weights(parts, resumed)
+    for net in expected:
+        for name in expected[net]:
+            assert torch.equal(got[net][name], expected[net][name]), (net, name)
+
+
+@pytest.mark.parametrize("script", RESUMABLE, ids=lambda s: s.stem)
+def test_killed_run_resumes_from_its_periodic_checkpoint(script, tmp_path):
+    """SIGKILL with --checkpoint-every: the resumed run completes its budget; curve.csv and the
+    events hold every log point once."""
+    argv = [*TINY[family(script)], "--checkpoint-every", "0.2"]
+    i = argv.index("--total-timesteps")
+    argv[i + 1] = str(int(argv[i + 1]) * (50 if family(script) == "pqn" else 10))  # lean PQN runs 5120 steps in a second
+    proc = start(script, tmp_path, *argv)
+    deadline = time.time() + 240
+    runs = tmp_path / "runs"
+    while time.time() < deadline and not (runs.is_dir() and list(runs.glob("*/resume.pt"))):
+        time.sleep(0.1)
+    time.sleep(1.0)
+    proc.kill()
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it was killed: make it longer"
+    run_dir = next(runs.glob("*/resume.pt")).parent
+    resumed, _ = run_script(script, "--resume", run_dir, cwd=tmp_path)
+    assert resumed["total_steps"] == int(argv[i + 1])
+    assert_every_log_point_once(run_dir, int(argv[i + 1]))
+
+
+@pytest.mark.parametrize("script", scripts("*atari*.py"), ids=lambda s: s.stem)
+def test_atari_run_resumes_with_its_saved_state_and_completes_its_budget(script, tmp_path):
+    """envpool's games cannot be saved: the resumed run starts fresh episodes, with the weights,
+    optimizer state and schedule position saved, and completes its budget, each step once."""
+    argv = [*TINY[family(script)], "--total-timesteps", 128]  # 4 iterations of 32 steps
+    proc = start(script, tmp_path, *argv, before=SIGNAL_AT_VECTOR_STEP.format(at=40, signum=int(signal.SIGTERM)))
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 143, stderr
+    run_dir = next((tmp_path / "runs").iterdir())
+    proc = start(script, tmp_path, "--resume", run_dir, before=CHECK_RESUMED)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    assert "resume-check: objects ok" in stderr and "resume-check: iteration ok" in stderr
+    assert json.loads(stdout.splitlines()[-1])["total_steps"] == 128
+    assert_every_log_point_once(run_dir, 128)
+
+
+def test_every_seed_of_num_seeds_resumes(tmp_path):
+    """--num-seeds 2 (lean DQN): stopped and resumed, each seed's run is its run unbroken."""
+    script = SCRIPTS / "dqn_torchcompile.py"
+    (whole := tmp_path / "whole").mkdir()
+    (parts := tmp_path / "parts").mkdir()
+    argv = [*TINY["dqn"], "--num-seeds", 2, "--save-model"]
+    run_script(script, *argv, cwd=whole)
+    proc = start(script, parts, *argv, before=SIGNAL_AT_STEP.format(at=2 * 250, signum=int(signal.SIGTERM)))
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 143, stderr
+    lead = next(d for d in (parts / "runs").iterdir() if (d / "resume.pt").exists())
+    resumed, proc = run_script(script, "--resume", lead, "--save-model", cwd=parts)
+    assert resumed["num_seeds"] == 2 and "notice: resuming" in proc.stderr
+    for seed in (1, 2):
+        expected = next((whole / "runs").glob(f"*__{seed}__*"))
+        got = next((parts / "runs").glob(f"*__{seed}__*"))
+        assert scalars(got) == scalars(expected)
+        weights = [torch.load(d / "dqn_torchcompile.pt", weights_only=True)["model"] for d in (expected, got)]
+        assert all(torch.equal(weights[0]["q_network"][k], weights[1]["q_network"][k]) for k in weights[0]["q_network"])
+
+
+def test_resume_with_another_num_seeds_is_one_line(tmp_path):
+    script = SCRIPTS / "dqn_torchcompile.py"
+    argv = [*TINY["dqn"], "--num-seeds", 2]
+    proc = start(script, tmp_path, *argv, before=SIGNAL_AT_STEP.format(at=2 * 250, signum=int(signal.SIGTERM)))
+    proc.communicate(timeout=300)
+    lead = next(d for d in (tmp_path / "runs").iterdir() if (d / "resume.pt").exists())
+    _, proc = run_script(script, "--resume", lead, "--num-seeds", 3, cwd=tmp_path, check=False)
+    assert_one_line_error(proc, "--num-seeds", "contradicts")
+    assert proc.returncode == 2
+
+
+@pytest.fixture
+def stopped_run(tmp_path):
+    """A plain DQN run stopped by SIGTERM partway: (script, its run folder)."""
+    script = next(s for s in RESUMABLE if s.stem == "dqn")
+    proc = start(script, tmp_path, *TINY["dqn"], before=SIGNAL_AT_STEP.format(at=250, signum=int(signal.SIGTERM)))
+    proc.communicate(timeout=300)
+    return script, next((tmp_path / "runs").iterdir())
+
+
+def test_resume_of_a_missing_folder_is_one_line(stopped_run, tmp_path):
+    script, run_dir = stopped_run
+    _, proc = run_script(script, "--resume", tmp_path / "nowhere", cwd=tmp_path, check=False)
+    assert_one_line_error(proc, "no checkpoint")
+    assert proc.returncode == 2
+
+
+def test_resume_of_a_corrupt_checkpoint_is_one_line(stopped_run, tmp_path):
+    script, run_dir = stopped_run
+    (run_dir / "resume.pt").write_bytes((run_dir / "resume.pt").read_bytes()[:1000])
+    _, proc = run_script(script, "--resume", run_dir, cwd=tmp_path, check=False)
+    assert_one_line_error(proc, "corrupt")
+    assert proc.returncode == 2
+
+
+def test_resume_with_another_script_is_one_line(stopped_run, tmp_path):
+    script, run_dir = stopped_run
+    other = script.with_name("dqn_torchcompile.py")
+    _, proc = run_script(other, "--resume", run_dir, cwd=tmp_path, check=False)
+    assert_one_line_error(proc, "dqn.py")
+    assert proc.returncode == 2
+
+
+@pytest.mark.parametrize("flags", [("--env-id", "Acrobot-v1"), ("--buffer-size", "600")], ids=["env", "size"])
+def test_resume_with_contradicting_flags_is_one_line(stopped_run, tmp_path, flags):
+    script, run_dir = stopped_run
+    _, proc = run_script(script, "--resume", run_dir, *flags, cwd=tmp_path, check=False)
+    assert_one_line_error(proc, flags[0], "contradicts")
+    assert proc.returncode == 2
+
+
+def test_resume_of_a_finished_run_is_one_line_and_a_larger_budget_extends_it(stopped_run, tmp_path):
+    script, run_dir = stopped_run
+    done, _ = run_script(script, "--resume", run_dir, "--checkpoint-every", "1000", cwd=tmp_path)
+    assert done["total_steps"] == 400
+    _, proc = run_script(script, "--resume", run_dir, cwd=tmp_path, check=False)
+    assert_one_line_error(proc, "already finished")
+    assert proc.returncode == 2
+    extended, _ = run_script(script, "--resume", run_dir, "--total-timesteps", 500, cwd=tmp_path)
+    assert extended["total_steps"] == 500
+
+
+def test_compiled_run_resumes_within_rounding(tmp_path):
+    """--compile (lean DQN): the resumed run compiles anew; weights and logged values as unbroken,
+    within rounding."""
+    script = SCRIPTS / "dqn_torchcompile.py"
+    (whole := tmp_path / "whole").mkdir()
+    (parts := tmp_path / "parts").mkdir()
+    argv = [*TINY["dqn"], "--compile", "--save-model"]
+    unbroken, _ = run_script(script, *argv, cwd=whole)
+    proc = start(script, parts, *argv, before=SIGNAL_AT_STEP.format(at=250, signum=int(signal.SIGTERM)))
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 143, stderr
+    run_dir = next((parts / "runs").iterdir())
+    resumed, _ = run_script(script, "--resume", run_dir, "--save-model", cwd=parts)
+    assert resumed["compile"] is True and resumed["total_steps"] == unbroken["total_steps"]
+    expected, got = scalars(whole / unbroken["run_dir"]), scalars(run_dir)
+    assert [(tag, step) for tag, step, _ in got] == [(tag, step) for tag, step, _ in expected]
+    assert [v for _, _, v in got] == pytest.approx([v for _, _, v in expected], rel=1e-5, abs=1e-6)
+    expected, got = final_weights(whole, unbroken), final_weights(parts, resumed)
+    for name, tensor in expected["q_network"].items():
+        torch.testing.assert_close(got["q_network"][name], tensor, rtol=1e-5, atol=1e-6)
+
+
+def test_loop_values_survive_a_weights_only_checkpoint():
+    """What a checkpoint keeps of the loop's variables and the envs comes back with its types."""
+    import collections
+    import io
+
+    import numpy as np
+
+    import leanrl_utils
+
+    values = {
+        "counts": (1, 2.5, np.float64(3.0), None, "s"),
+        "queue": collections.deque([1.0, 2.0], maxlen=5),
+        "arrays": [np.arange(3, dtype=np.uint32), np.ones((2, 2), bool)],
+        "tensor": torch.arange(4.0),
+        "rng": np.random.default_rng(3),
+    }
+    buffer = io.BytesIO()
+    torch.save(leanrl_utils.to_plain(values), buffer)
+    buffer.seek(0)
+    back = leanrl_utils.from_plain(torch.load(buffer, weights_only=True))
+    assert back["counts"] == (1, 2.5, 3.0, None, "s")
+    assert back["queue"] == values["queue"] and back["queue"].maxlen == 5
+    assert all(a.dtype == b.dtype and (a == b).all() for a, b in zip(back["arrays"], values["arrays"]))
+    assert torch.equal(back["tensor"], values["tensor"])
+    assert back["rng"].random() == np.random.default_rng(3).random()
