@@ -69,7 +69,10 @@ RULES = {
         for k in ("learning_rate", "q_lr", "policy_lr", "max_grad_norm", "dist_timeout")
     },
     **{k: (lambda v: 0 < v <= 1, "a number in (0, 1]") for k in ("gamma", "tau")},
-    **{k: (lambda v: 0 <= v <= 1, "a number in [0, 1]") for k in ("gae_lambda", "start_e", "end_e", "exploration_fraction")},
+    **{
+        k: (lambda v: 0 <= v <= 1, "a number in [0, 1]")
+        for k in ("gae_lambda", "q_lambda", "start_e", "end_e", "exploration_fraction")
+    },
     **{
         k: (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
         for k in ("clip_coef", "ent_coef", "vf_coef", "alpha", "policy_noise", "noise_clip", "exploration_noise")

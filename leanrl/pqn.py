@@ -194,8 +194,6 @@ def main(args: Args):
             f"--num-minibatches {args.num_minibatches} does not divide the batch of {batch_size} (num_envs * num_steps): "
             "pass a divisor of it"
         )
-    if not 0 <= args.q_lambda <= 1:
-        fail(f"--q-lambda {args.q_lambda} is out of range: use a number in [0, 1]")
     minibatch_size = batch_size // args.num_minibatches
     num_iterations = args.total_timesteps // batch_size
     check_rollout(args, 4 * env_sizes(args.env_id)[0] + 24)  # per step of an env: float32 obs and 4 numbers, int64 action
