@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +29,19 @@ gym.wrappers.RecordEpisodeStatistics.step = step
 SIGNAL_AT_VECTOR_STEP = SIGNAL_AT_STEP.replace(
     "gym.wrappers.RecordEpisodeStatistics", "leanrl_utils.RecordEpisodeStatistics"
 ).replace("import os, gymnasium as gym", "import os, leanrl_utils")
+
+# SIGKILLs the script's own process at its first env step from `at` on (of one env) where a
+# periodic checkpoint exists: killed partway, whatever the machine's speed.
+KILL_AFTER_CHECKPOINT = """
+import glob, os, signal, gymnasium as gym
+_step, _calls = gym.wrappers.RecordEpisodeStatistics.step, [0]
+def step(self, action):
+    _calls[0] += 1
+    if _calls[0] >= {at} and glob.glob("runs/*/resume.pt"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _step(self, action)
+gym.wrappers.RecordEpisodeStatistics.step = step
+"""
 
 # Right after --resume loads the run, its objects (the envs aside) hold what the checkpoint saved,
 # and the loop starts at the saved iteration.
@@ -146,19 +158,13 @@ def test_stopped_and_resumed_run_is_the_run_unbroken(script, tmp_path):
 def test_killed_run_resumes_from_its_periodic_checkpoint(script, tmp_path):
     """SIGKILL with --checkpoint-every: the resumed run completes its budget; curve.csv and the
     events hold every log point once."""
-    argv = [*TINY[family(script)], "--checkpoint-every", "0.2"]
+    argv = [*TINY[family(script)], "--checkpoint-every", "0.05"]
     i = argv.index("--total-timesteps")
     argv[i + 1] = str(int(argv[i + 1]) * (50 if family(script) == "pqn" else 10))  # lean PQN runs 5120 steps in a second
-    proc = start(script, tmp_path, *argv)
-    deadline = time.time() + 240
-    runs = tmp_path / "runs"
-    while time.time() < deadline and not (runs.is_dir() and list(runs.glob("*/resume.pt"))):
-        time.sleep(0.1)
-    time.sleep(1.0)
-    proc.kill()
-    proc.communicate()
+    proc = start(script, tmp_path, *argv, before=KILL_AFTER_CHECKPOINT.format(at=int(argv[i + 1]) // 2))
+    proc.communicate(timeout=300)
     assert proc.returncode == -signal.SIGKILL, "the run ended before it was killed: make it longer"
-    run_dir = next(runs.glob("*/resume.pt")).parent
+    run_dir = next((tmp_path / "runs").glob("*/resume.pt")).parent
     resumed, _ = run_script(script, "--resume", run_dir, cwd=tmp_path)
     assert resumed["total_steps"] == int(argv[i + 1])
     assert_every_log_point_once(run_dir, int(argv[i + 1]))
