@@ -385,3 +385,18 @@ TINY = {
         "2",
     ],
 }
+
+
+def assert_refused_before_work(code, capsys, tmp_path, *words, started=False):
+    """One `error:` line naming `words`, exit 2, no traceback, no training and no summary; unless
+    `started`, no run folder either. Returns the line."""
+    out, err = capsys.readouterr()
+    assert code == 2, (code, err)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    for word in words:
+        assert word.lower() in errors[0].lower(), errors[0]
+    assert "sps=" not in err and out.strip() == "", (out, err)  # no training, no summary
+    if not started:
+        assert not (tmp_path / "runs").exists()  # nothing was set up
+    return errors[0]

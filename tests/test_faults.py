@@ -15,7 +15,17 @@ from pathlib import Path
 import pytest
 import torch
 import tyro
-from conftest import TINY, family, is_lean, load_script, main_in_process, run_script, script_command, scripts
+from conftest import (
+    TINY,
+    assert_refused_before_work,
+    family,
+    is_lean,
+    load_script,
+    main_in_process,
+    run_script,
+    script_command,
+    scripts,
+)
 
 import leanrl_utils
 
@@ -48,18 +58,6 @@ CASES = [
     if flag in load_script(script).Args.__dataclass_fields__
     for value in values
 ]
-
-
-def assert_refused_before_work(code, capsys, tmp_path, *words, started=False):
-    out, err = capsys.readouterr()
-    assert code == 2, (code, err)
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "Traceback" not in err, err
-    for word in words:
-        assert word.lower() in errors[0].lower(), errors[0]
-    assert "sps=" not in err and out.strip() == "", (out, err)  # no training, no summary
-    if not started:
-        assert not (tmp_path / "runs").exists()  # nothing was set up
 
 
 @pytest.mark.parametrize("script,flag,value", CASES, ids=lambda x: getattr(x, "stem", x))

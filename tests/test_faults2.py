@@ -17,7 +17,7 @@ import types
 import pytest
 import torch
 import tyro
-from conftest import ROOT, TINY, family, load_script, main_in_process, script_command, scripts
+from conftest import ROOT, TINY, assert_refused_before_work, family, load_script, main_in_process, script_command, scripts
 
 import leanrl_utils
 
@@ -35,15 +35,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MOD
 
 
 def assert_refused(code, capsys, *words):
-    """One `error:` line naming `words`, exit 2, no traceback, no training and no summary."""
-    out, err = capsys.readouterr()
-    assert code == 2, (code, err)
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "Traceback" not in err, err
-    for word in words:
-        assert word.lower() in errors[0].lower(), errors[0]
-    assert "sps=" not in err and out.strip() == "", (out, err)
-    return errors[0]
+    return assert_refused_before_work(code, capsys, None, *words, started=True)
 
 
 def no_run_folder(tmp_path):
