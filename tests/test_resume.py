@@ -148,13 +148,15 @@ def test_killed_run_resumes_from_its_periodic_checkpoint(script, tmp_path):
     events hold every log point once."""
     argv = [*TINY[family(script)], "--checkpoint-every", "0.2"]
     i = argv.index("--total-timesteps")
-    argv[i + 1] = str(int(argv[i + 1]) * (50 if family(script) == "pqn" else 10))  # lean PQN runs 5120 steps in a second
+    # Long enough to be killed partway: these run the tiny budget x 10 in a second or two.
+    fast = ("dqn_torchcompile", "pqn", "pqn_torchcompile", "ppo_continuous_action_torchcompile")
+    argv[i + 1] = str(int(argv[i + 1]) * (40 if script.stem in fast else 10))
     proc = start(script, tmp_path, *argv)
     deadline = time.time() + 240
     runs = tmp_path / "runs"
     while time.time() < deadline and not (runs.is_dir() and list(runs.glob("*/resume.pt"))):
-        time.sleep(0.1)
-    time.sleep(1.0)
+        time.sleep(0.05)
+    time.sleep(0.2)
     proc.kill()
     proc.communicate()
     assert proc.returncode == -signal.SIGKILL, "the run ended before it was killed: make it longer"
