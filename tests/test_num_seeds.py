@@ -197,7 +197,7 @@ def test_sigterm_saves_every_seed_and_prints_one_summary(script, workdir):
     )
     summary = stop_and_read(proc, signal.SIGTERM, wait_for(proc, "sps="))
     assert summary["interrupted"] is True and summary["num_seeds"] == 2
-    checkpoints = [list(d.glob("*.pt")) for d in seed_dirs(workdir)]
+    checkpoints = [list(d.glob(f"{script}_torchcompile.pt")) for d in seed_dirs(workdir)]
     assert [len(c) for c in checkpoints] == [1, 1]
     for (path,) in checkpoints:
         weights = torch.load(path, weights_only=True)["model"]["q_network"]
