@@ -140,11 +140,13 @@ def test_env_that_cannot_be_made_is_one_line_before_the_run_folder(script, env_i
 # ---------------------------------------------------------------- Ctrl-C before the run exists
 
 # Python source run before the script: a real SIGINT arrives at a point after leanrl_utils is
-# imported and before the run exists.
+# imported and before the run exists. Ctrl-C as from a terminal: a pytest-xdist worker ignores
+# SIGINT, and its children inherit that.
+TERMINAL = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
 CTRL_C_BEFORE_THE_RUN = {
-    "parsing-flags": "import os, signal, time, tyro\n"
+    "parsing-flags": TERMINAL + "import os, signal, time, tyro\n"
     "tyro.cli = lambda *a, **k: (os.kill(os.getpid(), signal.SIGINT), time.sleep(30))",
-    "checking-flags": "import os, signal, time, leanrl_utils\n"
+    "checking-flags": TERMINAL + "import os, signal, time, leanrl_utils\n"
     "leanrl_utils.check_args = lambda *a, **k: (os.kill(os.getpid(), signal.SIGINT), time.sleep(30))",
 }
 
