@@ -270,15 +270,16 @@ def test_resume_of_a_finished_run_is_one_line_and_a_larger_budget_extends_it(sto
     assert extended["total_steps"] == 500
 
 
-def test_compiled_run_resumes_within_rounding(tmp_path):
-    """--compile (lean DQN): the resumed run compiles anew; weights and logged values as unbroken,
-    within rounding."""
-    script = SCRIPTS / "dqn_torchcompile.py"
+@pytest.mark.parametrize("script", [s for s in RESUMABLE if s.stem.endswith("_torchcompile")], ids=lambda s: s.stem)
+def test_compiled_run_resumes_within_rounding(script, tmp_path):
+    """--compile: the resumed run compiles anew; weights and logged values as unbroken, within
+    rounding."""
     (whole := tmp_path / "whole").mkdir()
     (parts := tmp_path / "parts").mkdir()
-    argv = [*TINY["dqn"], "--compile", "--save-model"]
+    argv = [*TINY[family(script)], "--compile", "--save-model"]
     unbroken, _ = run_script(script, *argv, cwd=whole)
-    proc = start(script, parts, *argv, before=SIGNAL_AT_STEP.format(at=250, signum=int(signal.SIGTERM)))
+    before = SIGNAL_AT_STEP.format(at=STOP_AT[family(script)], signum=int(signal.SIGTERM))
+    proc = start(script, parts, *argv, before=before)
     _, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 143, stderr
     run_dir = next((parts / "runs").iterdir())
@@ -288,8 +289,9 @@ def test_compiled_run_resumes_within_rounding(tmp_path):
     assert [(tag, step) for tag, step, _ in got] == [(tag, step) for tag, step, _ in expected]
     assert [v for _, _, v in got] == pytest.approx([v for _, _, v in expected], rel=1e-5, abs=1e-6)
     expected, got = final_weights(whole, unbroken), final_weights(parts, resumed)
-    for name, tensor in expected["q_network"].items():
-        torch.testing.assert_close(got["q_network"][name], tensor, rtol=1e-5, atol=1e-6)
+    for net in expected:
+        for name, tensor in expected[net].items():
+            torch.testing.assert_close(got[net][name], tensor, rtol=1e-5, atol=1e-6)
 
 
 def test_loop_values_survive_a_weights_only_checkpoint():
