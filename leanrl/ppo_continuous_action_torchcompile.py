@@ -314,8 +314,6 @@ def make_policy(agent, params, num_seeds, host, seed=0):
 
 def make_envs(args, run_name, num_envs, capture_video=False):
     """The vector env, or one clear line for an env this script cannot use."""
-    if args.env_id not in gym.registry:
-        fail(f"unknown environment id {args.env_id!r}: pass --env-id with a registered gymnasium id, e.g. HalfCheetah-v5")
     if capture_video:
         if importlib.util.find_spec("moviepy") is None:
             fail("--capture-video needs moviepy: pip install 'leanrl[video]'")

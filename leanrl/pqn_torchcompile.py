@@ -253,8 +253,6 @@ def draw_exploration(epsilons, num_envs, n_act, device):
 
 def make_envs(args, run_name, num_envs, capture_video=False):
     """The vector env, or one clear line for an env this script cannot use."""
-    if args.env_id not in gym.registry:
-        fail(f"unknown environment id {args.env_id!r}: pass --env-id with a registered gymnasium id, e.g. CartPole-v1")
     if capture_video and importlib.util.find_spec("moviepy") is None:
         fail("--capture-video needs moviepy: pip install 'leanrl[video]'")
     try:
