@@ -14,7 +14,7 @@ the host with the device between two log points but `--target-kl`.
 `--num-seeds N` trains seeds `seed` to `seed + N - 1` at once in one process: their weights and
 Adam states stacked on a leading seed dimension (one seed is a stack of one), acting and the
 update batched over them, each agent on its own slice of one vector env. Seed k is not bit-identical
-to a single run of seed + k: the agents share one stream of random numbers for acting.
+to a single run of seed + k: the agents share one stream of random numbers for acting and minibatches.
 """
 
 import importlib.util
