@@ -5,6 +5,7 @@ the networks derived from the module (also once the module is changed), the two 
 run on the same random draws, determinism, bad input, and learning."""
 
 import copy
+import math
 
 import numpy as np
 import pytest
@@ -433,3 +434,65 @@ def test_non_finite_loss_stops_with_one_line_and_saves_no_broken_weights(path, w
     summary, proc = run_script(path, *args, cwd=workdir, check=False)
     assert_one_line_error(proc, "non-finite", "at step 128")
     assert proc.returncode == 1 and summary["checkpoint"] is None and "no checkpoint saved" in proc.stderr
+
+
+# --target-kl: the approx_kl of each (epoch, minibatch), scripted. Epoch 0 ends below the target
+# but averages above it; epoch 1 ends above it. CleanRL's rule (the last minibatch's approx_kl,
+# after each epoch) stops after epoch 1: 2 epochs of 2 minibatches, 4 updates per iteration.
+TARGET_KL, OFFSET = 1.0, 2.0  # a log-ratio offset of 2 gives approx_kl = e^2 - 1 - 2 = 4.39
+SCRIPTED = {(0, 0), (1, 1)}
+
+
+@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
+def test_target_kl_stops_after_the_epoch_whose_last_minibatch_exceeds_it(path, plain, lean, monkeypatch, tmp_path):
+    module = plain if path == PLAIN_PATH else lean
+    minibatches, calls, logged = 2, [0], []
+
+    def scripted(k):
+        return (k // minibatches, k % minibatches) in SCRIPTED
+
+    if module is plain:
+        # The plain loop computes approx_kl from the log-ratio: shift the new log-probabilities.
+        get_action_and_value = plain.Agent.get_action_and_value
+
+        def shifted(self, x, action=None):
+            out = get_action_and_value(self, x, action)
+            if action is None:  # acting: a new rollout, a new update phase
+                calls[0] = 0
+                return out
+            calls[0] += 1
+            return out[0], out[1] + (OFFSET if scripted(calls[0] - 1) else 0.0), *out[2:]
+
+        monkeypatch.setattr(plain.Agent, "get_action_and_value", shifted)
+    else:
+        make_policy, make_update = lean.make_policy, lean.make_update
+
+        def counting_policy(*args, **kwargs):
+            policy = make_policy(*args, **kwargs)
+
+            def wrapped(obs):
+                calls[0] = 0
+                return policy(obs)
+
+            return wrapped
+
+        def scripted_update(*args, **kwargs):
+            update = make_update(*args, **kwargs)
+
+            def wrapped(*batch):
+                metrics = update(*batch).clone()
+                calls[0] += 1
+                metrics[..., lean.APPROX_KL] = math.exp(OFFSET) - 1 - OFFSET if scripted(calls[0] - 1) else 0.0
+                return metrics
+
+            return wrapped
+
+        monkeypatch.setattr(lean, "make_policy", counting_policy)
+        monkeypatch.setattr(lean, "make_update", scripted_update)
+    log = lambda self, step, updates, metrics, networks: logged.append((updates, metrics["losses/approx_kl"]))
+    monkeypatch.setattr(leanrl_utils.Run, "log", log)
+    monkeypatch.chdir(tmp_path)
+    module.main(module.Args(total_timesteps=256, num_envs=1, num_steps=64, num_minibatches=minibatches, target_kl=TARGET_KL))
+    updates = [u for u, _ in logged]
+    assert [b - a for a, b in zip([0] + updates, updates)] == [4, 4, 4, 4]
+    assert all(kl > TARGET_KL for _, kl in logged)  # the logged approx_kl is the last minibatch's
