@@ -299,6 +299,19 @@ TINY = {
         "--update-epochs",
         "2",
     ],
+    # CartPole: 2 envs, 64 steps: 4 iterations of 4 minibatch updates, a log point after each.
+    "ppo": [
+        "--total-timesteps",
+        "512",
+        "--num-envs",
+        "2",
+        "--num-steps",
+        "64",
+        "--num-minibatches",
+        "2",
+        "--update-epochs",
+        "2",
+    ],
     # Learning starts after step 64; 236 updates; logs at steps 100, 200 and 300.
     "sac_continuous_action": [
         "--env-id",

@@ -19,7 +19,7 @@ import leanrl_utils
 
 ALL = scripts("*.py")
 OFF_POLICY = [s for s in ALL if family(s) in ("dqn", "sac_continuous_action", "td3_continuous_action")]
-ROLLOUT = [s for s in ALL if family(s) in ("ppo_continuous_action", "ppo_atari_envpool", "pqn", "pqn_atari_envpool")]
+ROLLOUT = [s for s in ALL if family(s) in ("ppo", "ppo_continuous_action", "ppo_atari_envpool", "pqn", "pqn_atari_envpool")]
 ATARI = [s for s in ALL if family(s).endswith("_envpool")]
 GYM = [s for s in ALL if s not in ATARI]
 

@@ -567,6 +567,7 @@ def test_ppo_changing_one_seed_changes_no_other_seed(script, change, request):
 # ---------------------------------------------------------------- PQN
 
 PQN_PATH = scripts("pqn_torchcompile.py")[0]
+DISCRETE_PATH = scripts("ppo_torchcompile.py")[0]
 Q_BATCH, Q_MINIBATCH, Q_CLIP = 64, 16, 20.0  # --max-grad-norm: between the case's gradient norms
 
 
@@ -751,6 +752,7 @@ TWO_SEEDS = {
     "dqn": (PATH, [], 400, None),
     "pqn": (PQN_PATH, [], 512, 16),
     "ppo": (PPO_PATH, [], 256, 16),
+    "ppo-discrete": (DISCRETE_PATH, [], 512, 16),
     "ppo-atari": (ATARI_PATH, ["--total-timesteps", 1024, "--num-steps", 32], 1024, 64),
 }
 
@@ -782,11 +784,12 @@ def test_two_seeds_run_with_a_folder_each(script, mode, workdir):
 
 
 # Per script (PPO continuous, whose checkpoints carry observation statistics, has its own test):
-# the network's name in the checkpoint, its first layer's shape, the evaluation episodes.
+# the network's name in the checkpoint, its first layer's name and shape, the evaluation episodes.
 SEED_CHECKPOINTS = {
-    "dqn": (PATH, "q_network", (120, 4), 1),
-    "pqn": (PQN_PATH, "q_network", (120, 4), 2),
-    "ppo-atari": (ATARI_PATH, "agent", (32, 4, 8, 8), 1),
+    "dqn": (PATH, "q_network", "network.0.weight", (120, 4), 1),
+    "pqn": (PQN_PATH, "q_network", "network.0.weight", (120, 4), 2),
+    "ppo-atari": (ATARI_PATH, "agent", "network.0.weight", (32, 4, 8, 8), 1),
+    "ppo-discrete": (DISCRETE_PATH, "agent", "actor.0.weight", (64, 4), 2),
 }
 
 
@@ -795,7 +798,7 @@ def test_a_seeds_checkpoint_loads_into_the_single_seed_script(script, workdir):
     """Seed 6's checkpoint (its own network), evaluated by the single-seed script as seed 6 (the
     same evaluation env seed), gives the return the two-seed run reported for it: the same greedy
     network."""
-    path, network, shape, episodes = SEED_CHECKPOINTS[script]
+    path, network, first, shape, episodes = SEED_CHECKPOINTS[script]
     summary, _ = run_script(
         path, *TINY[family(path)], "--num-seeds", 2, "--seed", 5, "--save-model", "--eval-episodes", episodes, cwd=workdir
     )
@@ -804,8 +807,8 @@ def test_a_seeds_checkpoint_loads_into_the_single_seed_script(script, workdir):
     saved = [torch.load(c, weights_only=True) for c in checkpoints]
     assert saved[1]["args"]["seed"] == 6 and set(saved[1]["model"]) == {network}
     # Each seed's own weights, not a view of both seeds' storage.
-    assert saved[1]["model"][network]["network.0.weight"].shape == shape
-    assert not torch.equal(saved[0]["model"][network]["network.0.weight"], saved[1]["model"][network]["network.0.weight"])
+    assert saved[1]["model"][network][first].shape == shape
+    assert not torch.equal(saved[0]["model"][network][first], saved[1]["model"][network][first])
     loaded, _ = run_script(
         path, "--load-model", checkpoints[1], "--total-timesteps", 0, "--eval-episodes", episodes, "--seed", 6, cwd=workdir
     )
@@ -823,6 +826,8 @@ BAD = {
     "pqn-no-memory": (PQN_PATH, ["--num-seeds", 10**6], ["--num-seeds 1000000", "GiB"]),
     "ppo-target-kl": (PPO_PATH, ["--num-seeds", 2, "--target-kl", 0.01], ["--target-kl", "--num-seeds 1"]),
     "ppo-no-memory": (PPO_PATH, ["--num-seeds", 10**6], ["--num-seeds 1000000", "GiB"]),
+    "ppo-discrete-target-kl": (DISCRETE_PATH, ["--num-seeds", 2, "--target-kl", 0.01], ["--target-kl", "--num-seeds 1"]),
+    "ppo-discrete-no-memory": (DISCRETE_PATH, ["--num-seeds", 10**6], ["--num-seeds 1000000", "GiB"]),
     "atari-zero": (ATARI_PATH, ["--num-seeds", 0], ["--num-seeds", "1 or more"]),
     "atari-target-kl": (ATARI_PATH, ["--num-seeds", 2, "--target-kl", 0.01], ["--target-kl", "--num-seeds 1"]),
     "atari-seed-overflow": (ATARI_PATH, ["--num-seeds", 2, "--seed", 2**32 - 1], ["--num-seeds 2", "2**31"]),

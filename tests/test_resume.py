@@ -71,7 +71,14 @@ leanrl_utils.Run.resume, leanrl_utils.Run.iterations = resume, iterations
 """
 
 # Per family: the env step to stop at (after learning starts, between two log points).
-STOP_AT = {"dqn": 250, "pqn": 300, "sac_continuous_action": 150, "td3_continuous_action": 150, "ppo_continuous_action": 150}
+STOP_AT = {
+    "dqn": 250,
+    "pqn": 300,
+    "ppo": 300,
+    "sac_continuous_action": 150,
+    "td3_continuous_action": 150,
+    "ppo_continuous_action": 150,
+}
 RESUMABLE = [s for s in scripts("*.py") if family(s) in STOP_AT]
 
 
