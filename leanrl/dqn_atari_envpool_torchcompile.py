@@ -187,22 +187,24 @@ class FrameReplay(ReplayBuffer):
         return torch.stack([rows, seed_cols + envs]).to(self.device)
 
 
+def frame_stacks(frames, first, rows, cols):
+    """The 4-frame stacks that rows `rows` of columns `cols` observed (any shape, [..., 4, 84, 84]):
+    each older frame is the row before, unless the newer row began a game."""
+    held = [rows]
+    for _ in range(3):
+        newer = held[0]
+        held.insert(0, torch.where(first[newer, cols], newer, (newer - 1) % len(frames)))
+    return torch.stack([frames[r, cols] for r in held], dim=-3)
+
+
 def make_update(q_network, target_params, optimizer, storage, gamma, num_seeds):
     """One gradient step of every seed, one graph, on the transitions at rows and columns `idx`
     ([2, seeds * batch], block k seed k's) of the frame storage: it rebuilds each obs and next_obs
-    stack from the stored frames (each older frame the row before, unless the newer row began a
-    game), then the TD loss, its gradient (torch.func; the summed losses, so each seed steps on its
-    own) and Adam. Returns [len(METRICS), seeds] on the device."""
+    stack from the stored frames (`frame_stacks`), then the TD loss, its gradient (torch.func; the
+    summed losses, so each seed steps on its own) and Adam. Returns [len(METRICS), seeds] on the device."""
     forward = seeds_forward(q_network)
     frames, first = storage["frames"], storage["first"]
-    buffer_rows = frames.shape[0]
-
-    def stacks(rows, cols):
-        held = [rows]
-        for _ in range(3):
-            newer = held[0]
-            held.insert(0, torch.where(first[newer, cols], newer, (newer - 1) % buffer_rows))
-        return torch.stack([frames[r, cols] for r in held], dim=2)
+    buffer_rows = len(frames)
 
     def td_loss(params, obs, actions, td_target):
         old_val = forward(params, obs).gather(2, actions.unsqueeze(2)).squeeze(2)
@@ -211,7 +213,7 @@ def make_update(q_network, target_params, optimizer, storage, gamma, num_seeds):
 
     def update(idx):
         rows, cols = idx.view(2, num_seeds, -1).unbind(0)
-        obs, next_obs = stacks(rows, cols), stacks((rows + 1) % buffer_rows, cols)
+        obs, next_obs = frame_stacks(frames, first, rows, cols), frame_stacks(frames, first, (rows + 1) % buffer_rows, cols)
         with torch.no_grad():
             target_max = forward(target_params, next_obs).max(dim=2).values
             td_target = storage["rewards"][rows, cols] + gamma * target_max * (1 - storage["dones"][rows, cols])
