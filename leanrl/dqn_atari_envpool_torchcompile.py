@@ -139,6 +139,47 @@ class QNetwork(nn.Module):
         return self.network(x / 255.0)
 
 
+def frame_stacks(frames, first, rows, cols):
+    """The 4-frame stacks that rows `rows` of columns `cols` observed (any shape, [..., 4, 84, 84]):
+    each older frame is the row before, unless the newer row began a game."""
+    held = [rows]
+    for _ in range(3):
+        newer = held[0]
+        held.insert(0, torch.where(first[newer, cols], newer, (newer - 1) % len(frames)))
+    return torch.stack([frames[r, cols] for r in held], dim=-3)
+
+
+def make_update(q_network, target_params, optimizer, storage, gamma, num_seeds):
+    """One gradient step of every seed, one graph, on the transitions at rows and columns `idx`
+    ([2, seeds * batch], block k seed k's) of the frame storage: it rebuilds each obs and next_obs
+    stack from the stored frames (`frame_stacks`), then the TD loss, its gradient (torch.func; the
+    summed losses, so each seed steps on its own) and Adam. Returns [len(METRICS), seeds] on the device."""
+    forward = seeds_forward(q_network)
+    frames, first = storage["frames"], storage["first"]
+    buffer_rows = len(frames)
+
+    def td_loss(params, obs, actions, td_target):
+        old_val = forward(params, obs).gather(2, actions.unsqueeze(2)).squeeze(2)
+        losses = (td_target - old_val).square().mean(dim=1)
+        return losses.sum(), (losses, old_val)
+
+    def update(idx):
+        rows, cols = idx.view(2, num_seeds, -1).unbind(0)
+        obs, next_obs = frame_stacks(frames, first, rows, cols), frame_stacks(frames, first, (rows + 1) % buffer_rows, cols)
+        with torch.no_grad():
+            target_max = forward(target_params, next_obs).max(dim=2).values
+            td_target = storage["rewards"][rows, cols] + gamma * target_max * (1 - storage["dones"][rows, cols])
+        grad_and_loss = torch.func.grad_and_value(td_loss, has_aux=True)
+        grads, (_, (losses, old_val)) = grad_and_loss(optimizer.params, obs, storage["actions"][rows, cols], td_target)
+        optimizer.step(grads)
+        return torch.stack([losses, old_val.mean(dim=1)]).detach()
+
+    return update
+
+
+METRICS = ["losses/td_loss", "losses/q_values"]
+
+
 # Per transition: its newest 84x84 frame, an int64 action, float32 reward and done, two flags.
 ROW_BYTES = 84 * 84 + 8 + 4 + 4 + 2
 
@@ -185,47 +226,6 @@ class FrameReplay(ReplayBuffer):
             envs[bad] = torch.randint(self.num_envs, (int(bad.sum()),))
             rows = (oldest + ages) % self.buffer_size
         return torch.stack([rows, seed_cols + envs]).to(self.device)
-
-
-def frame_stacks(frames, first, rows, cols):
-    """The 4-frame stacks that rows `rows` of columns `cols` observed (any shape, [..., 4, 84, 84]):
-    each older frame is the row before, unless the newer row began a game."""
-    held = [rows]
-    for _ in range(3):
-        newer = held[0]
-        held.insert(0, torch.where(first[newer, cols], newer, (newer - 1) % len(frames)))
-    return torch.stack([frames[r, cols] for r in held], dim=-3)
-
-
-def make_update(q_network, target_params, optimizer, storage, gamma, num_seeds):
-    """One gradient step of every seed, one graph, on the transitions at rows and columns `idx`
-    ([2, seeds * batch], block k seed k's) of the frame storage: it rebuilds each obs and next_obs
-    stack from the stored frames (`frame_stacks`), then the TD loss, its gradient (torch.func; the
-    summed losses, so each seed steps on its own) and Adam. Returns [len(METRICS), seeds] on the device."""
-    forward = seeds_forward(q_network)
-    frames, first = storage["frames"], storage["first"]
-    buffer_rows = len(frames)
-
-    def td_loss(params, obs, actions, td_target):
-        old_val = forward(params, obs).gather(2, actions.unsqueeze(2)).squeeze(2)
-        losses = (td_target - old_val).square().mean(dim=1)
-        return losses.sum(), (losses, old_val)
-
-    def update(idx):
-        rows, cols = idx.view(2, num_seeds, -1).unbind(0)
-        obs, next_obs = frame_stacks(frames, first, rows, cols), frame_stacks(frames, first, (rows + 1) % buffer_rows, cols)
-        with torch.no_grad():
-            target_max = forward(target_params, next_obs).max(dim=2).values
-            td_target = storage["rewards"][rows, cols] + gamma * target_max * (1 - storage["dones"][rows, cols])
-        grad_and_loss = torch.func.grad_and_value(td_loss, has_aux=True)
-        grads, (_, (losses, old_val)) = grad_and_loss(optimizer.params, obs, storage["actions"][rows, cols], td_target)
-        optimizer.step(grads)
-        return torch.stack([losses, old_val.mean(dim=1)]).detach()
-
-    return update
-
-
-METRICS = ["losses/td_loss", "losses/q_values"]
 
 
 def draw_exploration(epsilons, num_envs, n_act, device):
