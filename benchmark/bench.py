@@ -75,6 +75,16 @@ FAMILIES = {
         tiny_args=["--learning-starts", "100", "--batch-size", "32"],
         arith=OFF_POLICY_ARITH,
     ),
+    # Atari DQN: CleanRL's one env; quick makes 250 updates after learning starts (a smaller buffer:
+    # the steps fill 1,000 rows of it)
+    "dqn_atari_envpool": dict(
+        env_id="Breakout-v5",
+        envpool=True,
+        args=["--learning-starts", "1000", "--buffer-size", "100000"],
+        budget=dict(full=6000, quick=2000, tiny=300),
+        tiny_args=["--num-envs", "2", "--learning-starts", "100", "--buffer-size", "200"],
+        arith=dict(args=["--learning-starts", "256", "--total-timesteps", "556", "--buffer-size", "10000"], steps=300),
+    ),
     # Atari PPO: iterations of 8 x 128 steps, the first of them warm-up
     "ppo_atari_envpool": dict(
         env_id="Breakout-v5",

@@ -354,6 +354,24 @@ TINY = {
         "--target-network-frequency",
         "50",
     ],
+    # Atari: 2 envs; learning starts after step 100; 75 updates (one per 4 steps); target copies
+    # every 50 steps; a buffer of 100 rows per env, which wraps; logs at steps 100, 200, 300 and 400.
+    "dqn_atari_envpool": [
+        "--env-id",
+        "Breakout-v5",
+        "--num-envs",
+        "2",
+        "--total-timesteps",
+        "400",
+        "--learning-starts",
+        "100",
+        "--batch-size",
+        "32",
+        "--buffer-size",
+        "200",
+        "--target-network-frequency",
+        "50",
+    ],
     # Atari: 2 envs, 16 steps, 2 iterations (4 minibatch updates each).
     "ppo_atari_envpool": [
         "--env-id",

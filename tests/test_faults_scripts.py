@@ -18,7 +18,7 @@ from test_torchrun import LEAN_PPO, TORCHRUN, summaries, torchrun
 import leanrl_utils
 
 ALL = scripts("*.py")
-OFF_POLICY = [s for s in ALL if family(s) in ("dqn", "sac_continuous_action", "td3_continuous_action")]
+OFF_POLICY = [s for s in ALL if family(s) in ("dqn", "dqn_atari_envpool", "sac_continuous_action", "td3_continuous_action")]
 ROLLOUT = [s for s in ALL if family(s) in ("ppo", "ppo_continuous_action", "ppo_atari_envpool", "pqn", "pqn_atari_envpool")]
 ATARI = [s for s in ALL if family(s).endswith("_envpool")]
 GYM = [s for s in ALL if s not in ATARI]

@@ -181,8 +181,10 @@ def test_killed_run_resumes_from_its_periodic_checkpoint(script, tmp_path):
 def test_atari_run_resumes_with_its_saved_state_and_completes_its_budget(script, tmp_path):
     """envpool's games cannot be saved: the resumed run starts fresh episodes, with the weights,
     optimizer state and schedule position saved, and completes its budget, each step once."""
-    argv = [*TINY[family(script)], "--total-timesteps", 128]  # 4 iterations of 32 steps
-    proc = start(script, tmp_path, *argv, before=SIGNAL_AT_VECTOR_STEP.format(at=40, signum=int(signal.SIGTERM)))
+    # PPO and PQN: 4 iterations of 32 steps; DQN: 2 envs, past learning starts (its tiny budget, 400 steps)
+    total, at = (400, 120) if family(script) == "dqn_atari_envpool" else (128, 40)
+    argv = [*TINY[family(script)], "--total-timesteps", total]
+    proc = start(script, tmp_path, *argv, before=SIGNAL_AT_VECTOR_STEP.format(at=at, signum=int(signal.SIGTERM)))
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 143, stderr
     run_dir = next((tmp_path / "runs").iterdir())
@@ -190,8 +192,8 @@ def test_atari_run_resumes_with_its_saved_state_and_completes_its_budget(script,
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr
     assert "resume-check: objects ok" in stderr and "resume-check: iteration ok" in stderr
-    assert json.loads(stdout.splitlines()[-1])["total_steps"] == 128
-    assert_every_log_point_once(run_dir, 128)
+    assert json.loads(stdout.splitlines()[-1])["total_steps"] == total
+    assert_every_log_point_once(run_dir, total)
 
 
 def test_every_seed_of_num_seeds_resumes(tmp_path):

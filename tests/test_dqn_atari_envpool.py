@@ -1,0 +1,373 @@
+"""DQN on Atari (envpool): the frame buffers of both scripts against a buffer of whole stacks over
+real games (lost lives, game overs, truncations, several envs, a ring that wraps), sampling that
+never draws envpool's reset steps, the lean update against the plain script's step and compiled
+against eager, the two scripts' whole runs given the same random draws, a changed network, and
+the bad-input lines. No learning test: Breakout needs hours here (the CartPole pair has one)."""
+
+import copy
+import glob
+import json
+
+import envpool
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from conftest import NumpyDrawingAsLean, assert_same_run, load_script, main_in_process, recorded_runs, scripts
+
+import leanrl_utils
+
+PLAIN_PATH, LEAN_PATH = scripts("dqn_atari_envpool.py")[0], scripts("dqn_atari_envpool_torchcompile.py")[0]
+BOTH = [PLAIN_PATH, LEAN_PATH]
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return load_script(PLAIN_PATH)
+
+
+@pytest.fixture(scope="module")
+def lean():
+    return load_script(LEAN_PATH)
+
+
+# ---------------------------------------------------------------- frame buffer
+
+NUM_ENVS, STEPS, ROWS = 3, 400, 64
+
+
+@pytest.fixture(scope="module")
+def games():
+    """STEPS vector steps of random play in NUM_ENVS Breakout games as the scripts make them
+    (episodic life, clipped rewards), with envpool's step limit cut to 70 so that games are also
+    truncated: [(obs acted on, actions, rewards, terminations, truncations, next obs)]."""
+    envs = envpool.make(
+        "Breakout-v5",
+        env_type="gymnasium",
+        num_envs=NUM_ENVS,
+        episodic_life=True,
+        reward_clip=True,
+        seed=3,
+        max_episode_steps=70,
+    )
+    rng = np.random.default_rng(0)
+    obs, _ = envs.reset()
+    steps = []
+    for _ in range(STEPS):
+        actions = rng.integers(4, size=NUM_ENVS)
+        next_obs, rewards, terminations, truncations, _ = envs.step(actions)
+        steps.append((obs, actions, rewards.astype(np.float32), terminations, truncations, next_obs))
+        obs = next_obs
+    envs.close()
+    ends = np.array([term | trunc for _, _, _, term, trunc, _ in steps])
+    truncated = np.array([trunc for *_, trunc, _ in steps])
+    lives_lost = np.array([term for _, _, _, term, _, _ in steps])
+    # The case covers what it must: lost lives, truncations and, after game overs, full-stack resets.
+    assert lives_lost.sum() >= 5 and truncated.sum() >= 2 and ends.sum() >= 10
+    starts = [(o[:, :3] == o[:, 3:]).all(axis=(1, 2, 3)).sum() for o, *_ in steps]
+    assert sum(starts) >= NUM_ENVS + 2
+    return steps
+
+
+def fill(buffer, steps):
+    """Feed `steps` to a buffer as the scripts' loops do; returns which steps were reset steps."""
+    reset_step, resets = np.zeros(NUM_ENVS, dtype=bool), []
+    for obs, actions, rewards, terminations, truncations, _ in steps:
+        buffer.add(obs, actions, rewards, terminations, reset_step)
+        resets.append(reset_step)
+        reset_step = terminations | truncations
+    return np.array(resets)
+
+
+def naive_transitions(steps, resets, first_step):
+    """A buffer of whole stacks: (obs, action, reward, done, next obs) per game transition from
+    `first_step` on, keyed by (step, env); reset steps are no transitions."""
+    return {
+        (t, i): (obs[i], actions[i], rewards[i], float(term[i]), next_obs[i])
+        for t, (obs, actions, rewards, term, _, next_obs) in enumerate(steps)
+        for i in range(NUM_ENVS)
+        if t >= first_step and not resets[t, i]
+    }
+
+
+def buffers(plain, lean):
+    """Both scripts' buffers of ROWS rows of NUM_ENVS transitions, and each one's stacks(rows, envs)."""
+    plain_rb = plain.ReplayBuffer(ROWS * NUM_ENVS, NUM_ENVS)
+    lean_rb = lean.FrameReplay(ROWS * NUM_ENVS, NUM_ENVS, 1, 3, torch.device("cpu"))
+
+    def lean_stacks(rows, envs):
+        lean_rb.flush()
+        storage = lean_rb.storage
+        return lean.frame_stacks(storage["frames"], storage["first"], torch.as_tensor(rows), torch.as_tensor(envs)).numpy()
+
+    return [(plain_rb, plain_rb.stacks), (lean_rb, lean_stacks)]
+
+
+@pytest.mark.parametrize("steps_taken", [40, STEPS], ids=["filling", "wrapped"])
+@pytest.mark.parametrize("which", ["plain", "lean"])
+def test_frame_buffer_rebuilds_every_stack(plain, lean, games, which, steps_taken):
+    """Every transition the buffer may sample (all but the newest row and, once the ring wraps,
+    its 3 oldest) gives back exactly the obs and next_obs stacks envpool returned, with its
+    action, reward and done, in every env: across lost lives (envpool pushes the first frame of
+    the next life on the old stack), game overs and truncations (the new game's stack is its first
+    frame 4 times), and after the ring has wrapped 6 times. Reset steps are marked skipped."""
+    rb, stacks = buffers(plain, lean)[which == "lean"]
+    steps = games[:steps_taken]
+    resets = fill(rb, steps)
+    if which == "lean":
+        rb.flush()  # the staged rows go to the storage, as before each sample
+    size = min(steps_taken, ROWS)
+    assert rb.size == size
+    low = 3 if steps_taken > ROWS else 0
+    first_step = steps_taken - size + low
+    expected = naive_transitions(steps[: steps_taken - 1], resets, first_step)
+    checked = 0
+    for t in range(first_step, steps_taken - 1):
+        row, envs = t % ROWS, np.arange(NUM_ENVS)
+        assert (rb.skip[row] == resets[t]).all()
+        obs, next_obs = stacks(np.full(NUM_ENVS, row), envs), stacks(np.full(NUM_ENVS, (row + 1) % ROWS), envs)
+        for i in envs:
+            if (t, i) not in expected:
+                continue
+            want_obs, action, reward, done, want_next = expected[t, i]
+            assert np.array_equal(obs[i], want_obs), (t, i)
+            assert np.array_equal(next_obs[i], want_next), (t, i)
+            held = rb if which == "plain" else {k: v.numpy() for k, v in rb.storage.items()}
+            actions, rewards, dones = (
+                held[k] if isinstance(held, dict) else getattr(held, k) for k in ("actions", "rewards", "dones")
+            )
+            assert (actions[row, i], rewards[row, i], dones[row, i]) == (action, reward, done)
+            checked += 1
+    assert checked >= 0.9 * len(expected) > 0
+
+
+@pytest.mark.parametrize("which", ["plain", "lean"])
+def test_sampling_draws_only_held_game_transitions(plain, lean, games, which):
+    """2,000 sampled transitions of the wrapped buffer are each a transition of the whole-stack
+    buffer held in the ring (never a reset step, never a stack that reaches an overwritten row,
+    never the newest row), and every held transition is drawn in about its share."""
+    torch.manual_seed(0)
+    np.random.seed(0)
+    rb, stacks = buffers(plain, lean)[which == "lean"]
+    resets = fill(rb, games)
+    expected = naive_transitions(games[:-1], resets, STEPS - ROWS + 3)
+    keys = {}  # a few transitions share stacks and action (a still screen), with another done
+    for (t, _), (o, a, r, d, n) in expected.items():
+        keys.setdefault((o.tobytes(), int(a), n.tobytes()), []).append((t, r, d))
+    drawn = set()
+    for _ in range(20):
+        if which == "plain":
+            obs, actions, next_obs, dones, rewards = (x.numpy() for x in rb.sample(100, "cpu"))
+            actions, dones, rewards = actions[:, 0], dones[:, 0], rewards[:, 0]
+        else:
+            rows, cols = rb.sample(100).numpy()
+            obs, next_obs = stacks(rows, cols), stacks((rows + 1) % ROWS, cols)
+            actions, dones, rewards = (rb.storage[k][rows, cols].numpy() for k in ("actions", "dones", "rewards"))
+        for o, a, n, d, r in zip(obs, actions, next_obs, dones, rewards):
+            key = (o.tobytes(), int(a), n.tobytes())
+            matches = [t for t, want_r, want_d in keys.get(key, []) if (want_r, want_d) == (r, d)]
+            assert matches, "a sampled transition that is no held game transition"
+            drawn.update(matches)
+    assert len(drawn) >= 0.8 * len({t for t, _ in expected})
+
+
+def test_check_memory_refuses_a_buffer_that_does_not_fit(plain, lean, monkeypatch, tmp_path, capsys):
+    """--buffer-size past the free memory: one line naming the flag and the GiB, exit 2, no run."""
+    for module, extra in ((plain, []), (lean, []), (lean, ["--num-seeds", "3"])):
+        code = main_in_process(module, "--buffer-size", 10**12, *extra, tmp_path=tmp_path, monkeypatch=monkeypatch)
+        assert code == 2
+        out, err = capsys.readouterr()
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "Traceback" not in err and out.strip() == "", err
+        assert "--buffer-size 1000000000000" in errors[0] and "GiB" in errors[0], errors[0]
+        assert ("--num-seeds 3" in errors[0]) == bool(extra)
+        assert not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------------- update
+
+
+def update_case(lean, num_seeds, num_envs=2, rows=40):
+    """A filled lean storage of random frames (some rows begin games) with seeds' networks."""
+    g = torch.Generator().manual_seed(0)
+    cols = num_seeds * num_envs
+    storage = {
+        "frames": torch.randint(0, 256, (rows, cols, 84, 84), generator=g, dtype=torch.uint8),
+        "first": torch.rand(rows, cols, generator=g) < 0.2,
+        "actions": torch.randint(0, 4, (rows, cols), generator=g),
+        "rewards": torch.randint(0, 2, (rows, cols), generator=g).float(),
+        "dones": (torch.rand(rows, cols, generator=g) < 0.1).float(),
+    }
+    torch.manual_seed(1)
+    nets = [lean.QNetwork(4) for _ in range(num_seeds)]
+    targets = [lean.QNetwork(4) for _ in range(num_seeds)]
+    batches = []
+    for _ in range(3):
+        r = torch.randint(0, rows - 1, (num_seeds * 8,), generator=g)
+        c = torch.randint(0, num_envs, (num_seeds * 8,), generator=g) + num_envs * torch.arange(num_seeds).repeat_interleave(8)
+        batches.append(torch.stack([r, c]))
+    return nets, targets, storage, batches
+
+
+def lean_update(lean, nets, targets, storage, gamma=0.99, learning_rate=1e-4):
+    nets, targets = copy.deepcopy(nets), copy.deepcopy(targets)
+    params, target_params = leanrl_utils.stack_seeds(nets), leanrl_utils.stack_seeds(targets)
+    optimizer = leanrl_utils.Adam(params.items(), learning_rate)
+    update = lean.make_update(nets[0], dict(target_params.items()), optimizer, storage, gamma, len(nets))
+    return nets, update
+
+
+# One seed runs the module's own ops: bit for bit; stacked seeds run vmapped (grouped) convolutions.
+EXACT = {1: dict(rtol=0, atol=0), 2: dict(rtol=1e-5, atol=1e-6)}
+
+
+@pytest.mark.parametrize("num_seeds", [1, 2])
+def test_lean_update_is_the_plain_update(plain, lean, num_seeds):
+    """The lean update (stacks rebuilt in the update, torch.func gradient, functional Adam) against
+    the plain script's step written out as in dqn_atari_envpool.py (its buffer's stacks,
+    loss.backward, optim.Adam), per seed on its own columns: bit for bit for one seed."""
+    nets, targets, storage, batches = update_case(lean, num_seeds)
+    seed_nets, update = lean_update(lean, nets, targets, storage)
+    refs = [(copy.deepcopy(net), copy.deepcopy(target)) for net, target in zip(nets, targets)]
+    optimizers = [torch.optim.Adam(q.parameters(), lr=1e-4) for q, _ in refs]
+    rb = plain.ReplayBuffer(40 * num_seeds * 2, num_seeds * 2)  # the plain buffer's stacks over the same storage
+    rb.frames, rb.first = storage["frames"].numpy(), storage["first"].numpy()
+    for idx in batches:
+        metrics = update(idx)
+        for k, ((q_ref, target_ref), optimizer) in enumerate(zip(refs, optimizers)):
+            rows, cols = idx.view(2, num_seeds, -1)[:, k].numpy()
+            obs = torch.from_numpy(rb.stacks(rows, cols))
+            next_obs = torch.from_numpy(rb.stacks((rows + 1) % 40, cols))
+            with torch.no_grad():
+                target_max, _ = target_ref(next_obs).max(dim=1)
+                td_target = storage["rewards"][rows, cols] + 0.99 * target_max * (1 - storage["dones"][rows, cols])
+            old_val = q_ref(obs).gather(1, storage["actions"][rows, cols].unsqueeze(1)).squeeze(1)
+            loss = F.mse_loss(td_target, old_val)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            torch.testing.assert_close(metrics[0, k], loss.detach(), **EXACT[num_seeds])
+            torch.testing.assert_close(metrics[1, k], old_val.mean().detach(), **EXACT[num_seeds])
+            for name, value in q_ref.state_dict().items():
+                torch.testing.assert_close(seed_nets[k].state_dict()[name], value, **EXACT[num_seeds], msg=name)
+
+
+def test_compiled_update_matches_eager(lean):
+    """Compiled (as the script compiles it on a CPU) against eager from the same parameters on the
+    same batches: rtol 1e-5 and atol 1e-5 (float32, the compiled graph reorders the reductions;
+    Adam turns that into up to 3e-6, a 3% of its 1e-4 step, in 5 of the 1.7M weights, where a
+    gradient is near zero; the metrics differed by at most 5e-7)."""
+    nets, targets, storage, batches = update_case(lean, 1)
+    eager_nets, eager = lean_update(lean, nets, targets, storage)
+    compiled_nets, compiled = lean_update(lean, nets, targets, storage)
+    compiled = torch.compile(compiled, options={"guard_filter_fn": leanrl_utils.value_guards, "cpp_wrapper": True})
+    for idx in batches:
+        torch.testing.assert_close(compiled(idx), eager(idx), rtol=1e-5, atol=1e-5)
+    for name, value in eager_nets[0].state_dict().items():
+        torch.testing.assert_close(compiled_nets[0].state_dict()[name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+
+# ---------------------------------------------------------------- a changed network
+
+
+def changed_network(lean, activation=nn.Tanh):
+    """QNetwork as a researcher might change it: other widths, another activation, an extra layer."""
+
+    class ChangedQNetwork(lean.QNetwork):
+        def __init__(self, n_act, device=None):
+            nn.Module.__init__(self)
+            self.network = nn.Sequential(
+                nn.Conv2d(4, 16, 8, stride=4, device=device), activation(),
+                nn.Conv2d(16, 32, 4, stride=2, device=device), activation(),
+                nn.Flatten(),
+                nn.Linear(32 * 9 * 9, 128, device=device), nn.ReLU(),
+                nn.Linear(128, 64, device=device), activation(),
+                nn.Linear(64, n_act, device=device),
+            )  # fmt: skip
+
+    return ChangedQNetwork
+
+
+@pytest.mark.parametrize("num_seeds", [1, 3])
+def test_a_changed_network_acts_as_its_module(lean, monkeypatch, num_seeds, capsys):
+    """make_policy, derived from the module (`seeds_forward`), acts greedily on each seed's own
+    changed module: exactly for one seed, the same actions stacked (vmapped convolutions,
+    torch's float32 default tolerance on the Q-values). There is no numpy form of a convolution:
+    `numpy_forward` refuses it in one line, naming the layer."""
+    monkeypatch.setattr(lean, "QNetwork", changed_network(lean))
+    torch.manual_seed(0)
+    nets = [lean.QNetwork(4) for _ in range(num_seeds)]
+    params = dict(leanrl_utils.stack_seeds(nets).items())
+    policy = lean.make_policy(nets[0], params, num_seeds)
+    obs = torch.randint(0, 256, (num_seeds * 5, 4, 84, 84), dtype=torch.uint8)
+    with torch.no_grad():
+        q_values = torch.cat([net(block) for net, block in zip(nets, obs.view(num_seeds, 5, 4, 84, 84))])
+        assert torch.equal(policy(obs), q_values.argmax(1))
+        stacked = leanrl_utils.seeds_forward(nets[0])(params, obs.view(num_seeds, 5, 4, 84, 84)).flatten(0, 1)
+        if num_seeds == 1:
+            assert torch.equal(stacked, q_values)
+        torch.testing.assert_close(stacked, q_values)
+    with pytest.raises(SystemExit) as exit_info:
+        leanrl_utils.numpy_forward(nets[0], params)
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "network.0 (Conv2d)" in errors[0], errors
+
+
+def test_a_changed_network_trains_and_saves(lean, monkeypatch, tmp_path, capsys):
+    """The lean script's whole run (two seeds) with its QNetwork changed: the update follows the
+    module and each seed's checkpoint has its shapes and finite weights."""
+    monkeypatch.setattr(lean, "QNetwork", changed_network(lean))
+    assert main_in_process(lean, "--num-seeds", 2, "--save-model", tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["updates"] == 75 and summary["total_steps"] == 400
+    paths = sorted(glob.glob(str(tmp_path / "runs" / "*" / "*.pt")))
+    assert len(paths) == 2
+    for path in paths:
+        saved = torch.load(path, weights_only=True)["model"]["q_network"]
+        assert saved["network.0.weight"].shape == (16, 4, 8, 8) and saved["network.7.weight"].shape == (64, 128)
+        assert all(v.isfinite().all() for v in saved.values())
+
+
+# ---------------------------------------------------------------- whole run
+
+
+def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path):
+    """Given the same random numbers, the two scripts make the same run: the same games, initial
+    weights, epsilon-greedy actions, stored frames, sampled stacks (redraws of reset steps
+    included), TD targets, Adam steps and target copies, over 600 steps of 2 envs with a ring
+    that wraps. They differ only in how they draw (blocks of steps in torch against a step's in
+    numpy) and in float rounding."""
+    monkeypatch.chdir(tmp_path)
+    args = dict(
+        num_envs=2, total_timesteps=600, learning_starts=200, buffer_size=300, batch_size=16, target_network_frequency=100
+    )
+    monkeypatch.setattr(plain, "np", NumpyDrawingAsLean(draw_steps=256))
+    plain_run, lean_run = recorded_runs([plain, lean], args, monkeypatch)
+    assert len(lean_run[0]) == 6
+    assert_same_run(plain_run, lean_run, ["losses/td_loss", "losses/q_values", "charts/epsilon"], weights_atol=1e-5)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--env-id", "CartPole-v1"], ["CartPole-v1", "Atari"]),
+        (["--buffer-size", "10", "--batch-size", "4"], ["--buffer-size 10", "16"]),
+        (["--learning-starts", "1"], ["--learning-starts 1", "2"]),
+        (["--batch-size", "300"], ["--batch-size 300", "--buffer-size 200"]),
+    ],
+    ids=["not-atari", "small-buffer", "learning-starts", "batch"],
+)
+def test_bad_input_is_one_line(path, argv, words, plain, lean, monkeypatch, tmp_path, capsys):
+    module = plain if path == PLAIN_PATH else lean
+    assert main_in_process(module, *argv, tmp_path=tmp_path, monkeypatch=monkeypatch) == 2
+    out, err = capsys.readouterr()
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err and out.strip() == "", err
+    for word in words:
+        assert word.lower() in errors[0].lower(), errors[0]
