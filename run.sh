@@ -11,7 +11,7 @@
 # The learning profile: plain against lean --compile, curves and final returns over seeds
 # (benchmark/learning.py):
 #
-#   ./run.sh --learning --quick   # 3 seeds, short budgets: under 20 minutes on 2 cores
+#   ./run.sh --learning --quick   # 3 seeds, short budgets: about an hour on 2 cores
 #   ./run.sh --learning           # 5 seeds, budgets where the curves still rise: hours
 #   ./run.sh --learning --pairs sac_continuous_action --seeds 4 5 --out B   # more seeds later
 #   ./run.sh --learning --merge A B --out AB                                 # one table of both

@@ -22,7 +22,7 @@ import bench  # noqa: E402  (the runner and the curve reader are the speed bench
 
 # Per pair and profile: the arguments both scripts share and the env steps per run. "full" is a
 # budget where the curve still rises on a task that is not saturated; "quick" runs all pairs over
-# 3 seeds in under 20 minutes on 2 cores, where the smaller budgets show the start of learning.
+# 3 seeds in about an hour on 2 cores (Breakout DQN half of it), where the smaller budgets show the start of learning.
 PAIRS = {
     "ppo_continuous_action": dict(
         full=(["--env-id", "HalfCheetah-v5"], 300_000), quick=(["--env-id", "HalfCheetah-v5"], 40_960)
@@ -206,7 +206,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="run.sh --learning", description="Plain against lean --compile: learning curves and final returns over seeds."
     )
-    parser.add_argument("--quick", action="store_true", help="3 seeds, short budgets: under 20 minutes on 2 cores")
+    parser.add_argument("--quick", action="store_true", help="3 seeds, short budgets: about an hour on 2 cores")
     parser.add_argument(
         "--pairs",
         nargs="+",
