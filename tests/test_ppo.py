@@ -217,35 +217,6 @@ def test_stacked_update_is_n_single_updates(lean, compiled):
             torch.testing.assert_close(seed_agents[k].state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=f"{k} {name}")
 
 
-def reference_gae(rewards, values, dones, next_value, gamma, gae_lambda):
-    """CleanRL's loop, element by element, with dones[t] meaning that step t ended an episode."""
-    num_steps, num_envs = rewards.shape
-    advantages = torch.zeros_like(rewards)
-    for env in range(num_envs):
-        lastgaelam = 0.0
-        for t in reversed(range(num_steps)):
-            nextvalue = next_value[env] if t == num_steps - 1 else values[t + 1, env]
-            nonterminal = 1.0 - dones[t, env]
-            delta = rewards[t, env] + gamma * nextvalue * nonterminal - values[t, env]
-            lastgaelam = delta + gamma * gae_lambda * nonterminal * lastgaelam
-            advantages[t, env] = lastgaelam
-    return advantages
-
-
-def test_gae_matches_reference_loop(lean):
-    g = torch.Generator().manual_seed(0)
-    rewards, values = torch.randn(50, 3, generator=g), torch.randn(50, 3, generator=g)
-    dones = (torch.rand(50, 3, generator=g) < 0.1).float()
-    dones[-1, 0] = 1.0
-    next_value = torch.randn(3, generator=g)
-    advantages, returns = lean.make_gae(0.99, 0.95)(rewards, values, dones, next_value)
-    expected = reference_gae(rewards, values, dones, next_value, 0.99, 0.95)
-    torch.testing.assert_close(advantages, expected)
-    torch.testing.assert_close(returns, expected + values)
-    # At a done step the advantage is the last reward minus the value: nothing flows back.
-    torch.testing.assert_close(advantages[-1, 0], rewards[-1, 0] - values[-1, 0])
-
-
 def inverse_cdf(logits, uniforms):
     """The action the lean policy draws from `logits` [rows, n] for uniforms [rows, 1] in [0, 1)."""
     cdf = (logits - logits.max(-1, keepdim=True).values).exp().cumsum(-1)

@@ -445,7 +445,14 @@ def test_stack_of_one_update_is_the_one_agent_update(lean, changed):
     assert not torch.equal(single.critic[0].weight, initial.critic[0].weight)
 
 
-def test_gae_matches_reference_loop(lean):
+# make_gae of the lean PPO scripts whose dones[t] mean that step t ended an episode (Atari's
+# are shifted by a step: test_ppo_atari_envpool.py).
+GAE_SCRIPTS = [LEAN_PATH, *scripts("ppo_torchcompile.py")]
+
+
+@pytest.mark.parametrize("path", GAE_SCRIPTS, ids=lambda p: p.stem)
+def test_gae_matches_reference_loop(path):
+    lean = load_script(path)
     g = torch.Generator().manual_seed(0)
     rewards, values = torch.randn(50, 3, generator=g), torch.randn(50, 3, generator=g)
     dones = (torch.rand(50, 3, generator=g) < 0.1).float()
