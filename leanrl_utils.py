@@ -92,15 +92,23 @@ class Resumable:
     """seconds between resumable checkpoints (runs/{run_name}/resume.pt; 0: only when stopped)"""
 
 
+# How long a silent rank waits for LOCAL_RANK 0 to fail the same input (see `fail`).
+RANK_0_GRACE_S = 20
+
+
 def fail(message, every_rank=False):
     """Bad input ends the run with one line on stderr and exit status 2, never a traceback. Under
-    torchrun every rank exits 2, but only LOCAL_RANK 0 says why (every rank fails the same input),
-    unless `every_rank`: a failure of this rank's own. A run folder made for a run refused before
-    its first log point goes too."""
-    if every_rank or os.environ.get("LOCAL_RANK", "0") == "0":
+    torchrun only LOCAL_RANK 0 says why (every rank fails the same input), unless `every_rank`: a
+    failure of this rank's own; a silent rank waits for torchrun to end it once rank 0 has spoken
+    and exited. A run folder made for a run refused before its first log point goes too."""
+    speaks = every_rank or os.environ.get("LOCAL_RANK", "0") == "0"
+    if speaks:
         sys.stderr.write(f"error: {message}\n")  # one write: ranks sharing a stderr cannot split it
     for run in list(FRESH_RUNS):
         run.discard()
+    if not speaks:  # torchrun ends every rank once one exits: rank 0 must get its line out first
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        time.sleep(RANK_0_GRACE_S)
     sys.exit(2)
 
 

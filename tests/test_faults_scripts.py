@@ -193,8 +193,11 @@ def test_unknown_or_malformed_flag_keeps_tyros_box_as_the_readme_says(argv, work
     ids=["flag-rule", "batch-rule", "unknown-env"],
 )
 def test_bad_input_under_torchrun_is_one_line_from_rank_0(argv, words, workdir):
+    """Rank 0 reaches the same failure 3 s after rank 1 (a slow import, a busy host): torchrun ends
+    the group once a rank exits, so rank 1 must not exit first and cut rank 0's line."""
     script = scripts("ppo_continuous_action_torchcompile.py")[0]
-    proc = torchrun(script, *TINY[family(script)], *argv, cwd=workdir)
+    slow_rank_0 = "import os, time\nif os.environ['LOCAL_RANK'] == '0': time.sleep(3)"
+    proc = torchrun(script, *TINY[family(script)], *argv, cwd=workdir, before=slow_rank_0)
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and errors[0].startswith("error:"), proc.stderr
     for word in words:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, assert_one_line_error, family, run_script, scripts
+from conftest import TINY, assert_one_line_error, family, run_script, script_command, scripts
 
 # The lean PPO scripts, which take torchrun (the other lean scripts are off-policy and do not).
 LEAN_PPO = scripts("ppo_*_torchcompile.py")
@@ -22,10 +22,12 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 TWO_RANKS = {"ppo_continuous_action": ["--total-timesteps", "256"], "ppo_atari_envpool": ["--total-timesteps", "128"]}
 
 
-def torchrun(script, *args, cwd, nproc=2, timeout=900, env=None):
-    """`torchrun --standalone --nproc_per_node nproc script args`, one thread per rank."""
+def torchrun(script, *args, cwd, nproc=2, timeout=900, env=None, before=""):
+    """`torchrun --standalone --nproc_per_node nproc script args`, one thread per rank; each rank
+    runs the Python source `before` first, if any."""
+    command = ["--no-python", *script_command(script, before)] if before else [script]
     return subprocess.run(
-        [str(TORCHRUN), "--standalone", "--nproc_per_node", str(nproc), str(script), *map(str, args)],
+        [str(TORCHRUN), "--standalone", "--nproc_per_node", str(nproc), *map(str, command), *map(str, args)],
         cwd=cwd,
         capture_output=True,
         text=True,
