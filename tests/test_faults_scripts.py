@@ -12,7 +12,17 @@ import time
 import types
 
 import pytest
-from conftest import ROOT, TINY, family, load_script, main_in_process, run_script, script_command, scripts
+from conftest import (
+    ROOT,
+    TINY,
+    assert_one_line_error,
+    family,
+    load_script,
+    main_in_process,
+    run_script,
+    script_command,
+    scripts,
+)
 from test_torchrun import LEAN_PPO, TORCHRUN, summaries, torchrun
 
 import leanrl_utils
@@ -166,6 +176,22 @@ def test_ctrl_c_before_the_run_is_one_line_and_130(script, case, tmp_path):
     assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().splitlines() == ["notice: interrupted before the run started; nothing to save"], proc.stderr
     assert proc.stdout == "" and not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------------- a PPO run that blows up
+
+# The step of the first log point at each PPO family's tiny settings (one iteration's batch).
+FIRST_LOG_STEP = {"ppo": 128, "ppo_continuous_action": 64, "ppo_atari_envpool": 32}
+
+
+@pytest.mark.parametrize("script", [s for s in ALL if family(s) in FIRST_LOG_STEP], ids=lambda s: s.stem)
+def test_non_finite_ppo_loss_stops_with_one_line_and_saves_no_broken_weights(script, workdir):
+    """A learning rate of 1e30 blows the first iteration's updates up: exit 1 after the summary,
+    one line naming the step, and no checkpoint (the weights were finite at no log point)."""
+    args = [*TINY[family(script)], "--learning-rate", "1e30", "--save-model"]
+    summary, proc = run_script(script, *args, cwd=workdir, check=False)
+    assert_one_line_error(proc, "non-finite", f"at step {FIRST_LOG_STEP[family(script)]}")
+    assert proc.returncode == 1 and summary["checkpoint"] is None and "no checkpoint saved" in proc.stderr
 
 
 # ---------------------------------------------------------------- tyro's box, kept

@@ -5,7 +5,6 @@ the networks derived from the module (also once the module is changed), the two 
 run on the same random draws, determinism, bad input, and learning."""
 
 import copy
-import math
 
 import numpy as np
 import pytest
@@ -14,9 +13,14 @@ import torch.nn as nn
 from conftest import (
     TINY,
     assert_one_line_error,
+    assert_ppo_compiled_update_matches_eager,
+    assert_ppo_lean_update_is_plain,
+    assert_ppo_stack_of_one_is_the_one_agent,
     assert_same_run,
+    changed_mlp,
     load_script,
     main_in_process,
+    ppo_lean_update,
     recorded_runs,
     run_script,
     scripts,
@@ -58,135 +62,39 @@ def random_batch(generator):
     )
 
 
-def lean_update(lean, agent, args, compiled):
-    lr = torch.tensor(args.learning_rate)
-    optimizer = leanrl_utils.Adam(agent.named_parameters(), lr, eps=1e-5, fused=not compiled)
-    update = lean.make_update(agent, optimizer, args)
-    options = {"guard_filter_fn": leanrl_utils.value_guards}
-    return (torch.compile(update, fullgraph=True, options=options) if compiled else update), lr
-
-
-def plain_step(agent, optimizer, args, minibatch):
-    """The plain script's minibatch step, as written in its loop."""
-    obs, actions, logprobs, advantages, returns, values = minibatch
-    _, newlogprob, entropy, newvalue = agent.get_action_and_value(obs, actions.long())
-    logratio = newlogprob - logprobs
-    ratio = logratio.exp()
-    with torch.no_grad():
-        old_approx_kl = (-logratio).mean()
-        approx_kl = ((ratio - 1) - logratio).mean()
-        clipfrac = ((ratio - 1.0).abs() > args.clip_coef).float().mean()
-    advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
-    pg_loss = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)).mean()
-    newvalue = newvalue.view(-1)
-    v_clipped = values + torch.clamp(newvalue - values, -args.clip_coef, args.clip_coef)
-    v_loss = 0.5 * torch.max((newvalue - returns) ** 2, (v_clipped - returns) ** 2).mean()
-    entropy_loss = entropy.mean()
-    loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
-    optimizer.zero_grad()
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-    optimizer.step()
-    return torch.stack([v_loss, pg_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac]).detach()
-
-
 def test_lean_update_is_the_plain_update(plain, lean):
-    """From the same parameters and minibatches, the lean step (torch.func, log_softmax and gather
-    for Categorical, clipping on the gradient dict, fused functional Adam with a tensor lr annealed
-    in place) gives the plain step's metrics and parameters: Categorical, `loss.backward()`,
-    `clip_grad_norm_`, `optim.Adam(eps=1e-5)`. A small max_grad_norm makes the clipping bite.
-    Tolerance: rtol 1e-5, atol 1e-6 (float32 round-off of two summation orders)."""
-    args = lean.Args(max_grad_norm=0.05)
+    """The lean step (log_softmax and gather for Categorical) is the plain one (Categorical)."""
     torch.manual_seed(0)
     plain_agent = plain.Agent(N_OBS, N_ACT)
-    lean_agent = lean.Agent(N_OBS, N_ACT)
-    lean_agent.load_state_dict(plain_agent.state_dict())
-    initial = copy.deepcopy(plain_agent)
-    update, lr = lean_update(lean, lean_agent, args, compiled=False)
-    optimizer = torch.optim.Adam(plain_agent.parameters(), lr=args.learning_rate, eps=1e-5)
     g = torch.Generator().manual_seed(2)
-    batch = random_batch(g)
-    clipped = 0.0
-    for step in range(4):
-        frac = 1.0 - step / 4  # annealed as the loops do
-        lr.copy_(frac * args.learning_rate)
-        optimizer.param_groups[0]["lr"] = frac * args.learning_rate
-        idx = torch.randperm(BATCH, generator=g)[:MINIBATCH]
-        expected = plain_step(plain_agent, optimizer, args, [t[idx] for t in batch])
-        torch.testing.assert_close(update(*batch, idx), expected, rtol=1e-5, atol=1e-6)
-        clipped += float(expected[-1])
-    for name, value in plain_agent.state_dict().items():
-        torch.testing.assert_close(lean_agent.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
-    assert not torch.equal(plain_agent.actor[0].weight, initial.actor[0].weight) and clipped > 0
+    args = lean.Args(max_grad_norm=0.05)  # a small max_grad_norm makes the clipping bite
+    clipped = assert_ppo_lean_update_is_plain(plain_agent, lean, lean.Agent(N_OBS, N_ACT), args, random_batch(g), MINIBATCH, g)
+    assert clipped > 0  # some ratios left the clip range
 
 
 def test_compiled_update_matches_eager(lean):
-    """Three compiled steps (one graph, per-tensor Adam) agree with three eager steps (fused
-    Adam), with the lr tensor changed in place between them. Tolerance: rtol 1e-4, atol 1e-5
-    (inductor reorders float32 reductions, ~1e-6; a wrong term moves them by far more)."""
-    args = lean.Args()
     torch.manual_seed(0)
-    agents = [lean.Agent(N_OBS, N_ACT)]
-    agents.append(copy.deepcopy(agents[0]))
-    (eager, lr_eager), (compiled, lr_compiled) = (lean_update(lean, a, args, c) for a, c in zip(agents, (False, True)))
     g = torch.Generator().manual_seed(1)
-    batch = random_batch(g)
-    for step in range(3):
-        for lr in (lr_eager, lr_compiled):
-            lr.copy_((1.0 - step / 3) * args.learning_rate)
-        idx = torch.randperm(BATCH, generator=g)[:MINIBATCH]
-        torch.testing.assert_close(compiled(*batch, idx), eager(*batch, idx), rtol=1e-4, atol=1e-5)
-    for (name, a), (_, b) in zip(agents[0].named_parameters(), agents[1].named_parameters()):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)
+    assert_ppo_compiled_update_matches_eager(lean, lean.Agent(N_OBS, N_ACT), random_batch(g), MINIBATCH, g)
 
 
 def changed_agent(lean, activation=nn.ReLU):
-    """A researcher's edit of Agent, its forward kept: in both networks other widths, ReLU for
-    Tanh (the first activation `activation`) and an extra layer."""
+    """A researcher's edit of Agent, its forward kept: both networks changed (`changed_mlp`)."""
 
     class ChangedAgent(lean.Agent):
         def __init__(self, n_obs, n_act, device=None):
             nn.Module.__init__(self)
-
-            def mlp(n_out):
-                return nn.Sequential(
-                    nn.Linear(n_obs, 32, device=device),
-                    activation(),
-                    nn.Linear(32, 48, device=device),
-                    nn.ReLU(),
-                    nn.Linear(48, 16, device=device),
-                    nn.ReLU(),
-                    nn.Linear(16, n_out, device=device),
-                )
-
-            self.critic, self.actor = mlp(1), mlp(n_act)
+            self.critic, self.actor = (changed_mlp(n_obs, n_out, activation, device) for n_out in (1, n_act))
 
     return ChangedAgent
 
 
 @pytest.mark.parametrize("changed", [False, True], ids=["agent", "changed-agent"])
 def test_stack_of_one_update_is_the_one_agent_update(lean, changed):
-    """One seed is a stack of one: make_update over stack_seeds([agent]) with num_seeds 1 runs the
-    one agent's own ops and the same fused Adam kernel: its metrics and parameters bit for bit."""
-    args = lean.Args(max_grad_norm=0.05)
     torch.manual_seed(0)
     single = (changed_agent(lean) if changed else lean.Agent)(N_OBS, N_ACT)
-    stacked = copy.deepcopy(single)
-    single_update, single_lr = lean_update(lean, single, args, compiled=False)
-    lr = torch.tensor(args.learning_rate)
-    params = leanrl_utils.stack_seeds([stacked])
-    stacked_update = lean.make_update(stacked, leanrl_utils.Adam(params.items(), lr, eps=1e-5, fused=True), args, 1)
     g = torch.Generator().manual_seed(3)
-    batch = random_batch(g)
-    for step in range(3):
-        for rate in (lr, single_lr):
-            rate.copy_((1.0 - step / 3) * args.learning_rate)
-        idx = torch.randperm(BATCH, generator=g)[:MINIBATCH]
-        expected = single_update(*batch, idx)
-        metrics = stacked_update(*(x[None] for x in batch), idx[None])
-        torch.testing.assert_close(metrics[0], expected, rtol=0, atol=0)
-    for name, value in single.state_dict().items():
-        torch.testing.assert_close(stacked.state_dict()[name], value, rtol=0, atol=0, msg=name)
+    assert_ppo_stack_of_one_is_the_one_agent(lean, single, lean.Args(max_grad_norm=0.05), random_batch(g), MINIBATCH, g)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -205,7 +113,7 @@ def test_stacked_update_is_n_single_updates(lean, compiled):
     stacked = lean.make_update(seed_agents[0], optimizer, args, 3)
     if compiled:
         stacked = torch.compile(stacked, fullgraph=True, options={"guard_filter_fn": leanrl_utils.value_guards})
-    singles = [lean_update(lean, agent, args, compiled)[0] for agent in agents]
+    singles = [ppo_lean_update(lean, agent, args, compiled)[0] for agent in agents]
     batch = tuple(torch.stack(fields) for fields in zip(*rollouts))
     for _ in range(2):
         idx = torch.stack([torch.randperm(BATCH, generator=g)[:MINIBATCH] for _ in agents])
@@ -395,75 +303,3 @@ def test_bad_input_is_one_clear_line(path, bad_args, words, workdir):
     _, proc = run_script(path, *TINY["ppo"], *bad_args, cwd=workdir, check=False)
     assert_one_line_error(proc, *words)
     assert proc.returncode == 2
-
-
-@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
-def test_non_finite_loss_stops_with_one_line_and_saves_no_broken_weights(path, workdir):
-    """A learning rate of 1e30 blows the first iteration up: the run stops with one line naming
-    the step, after its summary, and saves nothing, since no log point had finite weights."""
-    args = [*TINY["ppo"], "--learning-rate", "1e30", "--save-model"]
-    summary, proc = run_script(path, *args, cwd=workdir, check=False)
-    assert_one_line_error(proc, "non-finite", "at step 128")
-    assert proc.returncode == 1 and summary["checkpoint"] is None and "no checkpoint saved" in proc.stderr
-
-
-# --target-kl: the approx_kl of each (epoch, minibatch), scripted. Epoch 0 ends below the target
-# but averages above it; epoch 1 ends above it. CleanRL's rule (the last minibatch's approx_kl,
-# after each epoch) stops after epoch 1: 2 epochs of 2 minibatches, 4 updates per iteration.
-TARGET_KL, OFFSET = 1.0, 2.0  # a log-ratio offset of 2 gives approx_kl = e^2 - 1 - 2 = 4.39
-SCRIPTED = {(0, 0), (1, 1)}
-
-
-@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
-def test_target_kl_stops_after_the_epoch_whose_last_minibatch_exceeds_it(path, plain, lean, monkeypatch, tmp_path):
-    module = plain if path == PLAIN_PATH else lean
-    minibatches, calls, logged = 2, [0], []
-
-    def scripted(k):
-        return (k // minibatches, k % minibatches) in SCRIPTED
-
-    if module is plain:
-        # The plain loop computes approx_kl from the log-ratio: shift the new log-probabilities.
-        get_action_and_value = plain.Agent.get_action_and_value
-
-        def shifted(self, x, action=None):
-            out = get_action_and_value(self, x, action)
-            if action is None:  # acting: a new rollout, a new update phase
-                calls[0] = 0
-                return out
-            calls[0] += 1
-            return out[0], out[1] + (OFFSET if scripted(calls[0] - 1) else 0.0), *out[2:]
-
-        monkeypatch.setattr(plain.Agent, "get_action_and_value", shifted)
-    else:
-        make_policy, make_update = lean.make_policy, lean.make_update
-
-        def counting_policy(*args, **kwargs):
-            policy = make_policy(*args, **kwargs)
-
-            def wrapped(obs):
-                calls[0] = 0
-                return policy(obs)
-
-            return wrapped
-
-        def scripted_update(*args, **kwargs):
-            update = make_update(*args, **kwargs)
-
-            def wrapped(*batch):
-                metrics = update(*batch).clone()
-                calls[0] += 1
-                metrics[..., lean.APPROX_KL] = math.exp(OFFSET) - 1 - OFFSET if scripted(calls[0] - 1) else 0.0
-                return metrics
-
-            return wrapped
-
-        monkeypatch.setattr(lean, "make_policy", counting_policy)
-        monkeypatch.setattr(lean, "make_update", scripted_update)
-    log = lambda self, step, updates, metrics, networks: logged.append((updates, metrics["losses/approx_kl"]))
-    monkeypatch.setattr(leanrl_utils.Run, "log", log)
-    monkeypatch.chdir(tmp_path)
-    module.main(module.Args(total_timesteps=256, num_envs=1, num_steps=64, num_minibatches=minibatches, target_kl=TARGET_KL))
-    updates = [u for u, _ in logged]
-    assert [b - a for a, b in zip([0] + updates, updates)] == [4, 4, 4, 4]
-    assert all(kl > TARGET_KL for _, kl in logged)  # the logged approx_kl is the last minibatch's

@@ -5,7 +5,6 @@ networks derived from the module (also once the module is changed), the --target
 checkpoints that carry the observation statistics across the pair, determinism, bad input, and
 learning."""
 
-import copy
 import csv
 import math
 
@@ -17,7 +16,12 @@ import torch.nn as nn
 from conftest import (
     TINY,
     assert_one_line_error,
+    assert_ppo_compiled_update_matches_eager,
+    assert_ppo_lean_update_is_plain,
+    assert_ppo_stack_of_one_is_the_one_agent,
     assert_same_run,
+    changed_mlp,
+    is_lean,
     load_script,
     main_in_process,
     recorded_runs,
@@ -53,86 +57,20 @@ def random_batch(generator):
     return randn(BATCH, N_OBS), randn(BATCH, N_ACT), randn(BATCH) - 3.0, randn(BATCH), randn(BATCH), randn(BATCH)
 
 
-def lean_update(lean, agent, args, compiled):
-    lr = torch.tensor(args.learning_rate)
-    optimizer = leanrl_utils.Adam(agent.named_parameters(), lr, eps=1e-5, fused=not compiled)
-    update = lean.make_update(agent, optimizer, args)
-    options = {"guard_filter_fn": leanrl_utils.value_guards}
-    return (torch.compile(update, fullgraph=True, options=options) if compiled else update), lr
-
-
-def plain_step(plain, agent, optimizer, args, minibatch):
-    """The plain script's minibatch step, as written in its loop."""
-    obs, actions, logprobs, advantages, returns, values = minibatch
-    _, newlogprob, entropy, newvalue = agent.get_action_and_value(obs, actions)
-    logratio = newlogprob - logprobs
-    ratio = logratio.exp()
-    with torch.no_grad():
-        old_approx_kl = (-logratio).mean()
-        approx_kl = ((ratio - 1) - logratio).mean()
-        clipfrac = ((ratio - 1.0).abs() > args.clip_coef).float().mean()
-    advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
-    pg_loss = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)).mean()
-    newvalue = newvalue.view(-1)
-    v_clipped = values + torch.clamp(newvalue - values, -args.clip_coef, args.clip_coef)
-    v_loss = 0.5 * torch.max((newvalue - returns) ** 2, (v_clipped - returns) ** 2).mean()
-    entropy_loss = entropy.mean()
-    loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
-    optimizer.zero_grad()
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-    optimizer.step()
-    return torch.stack([v_loss, pg_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac]).detach()
-
-
 def test_lean_update_is_the_plain_update(plain, lean):
-    """From the same parameters and minibatches, the lean step (torch.func, clipping on the
-    gradient dict, fused functional Adam with a tensor lr annealed in place) gives the plain
-    step's metrics and parameters: `loss.backward()`, `clip_grad_norm_`, `optim.Adam(eps=1e-5)`.
-    A small max_grad_norm makes the clipping bite. Tolerance: rtol 1e-5, atol 1e-6 (float32
-    round-off of two summation orders; a wrong term moves the values by far more)."""
-    args = lean.Args(max_grad_norm=0.05, ent_coef=0.01)
+    """The lean step (the Normal's log-probability and entropy written out) is the plain one."""
     torch.manual_seed(0)
     plain_agent = plain.Agent(N_OBS, N_ACT)
-    lean_agent = lean.Agent(N_OBS, N_ACT)
-    lean_agent.load_state_dict(plain_agent.state_dict())
-    initial = copy.deepcopy(plain_agent)
-    update, lr = lean_update(lean, lean_agent, args, compiled=False)
-    optimizer = torch.optim.Adam(plain_agent.parameters(), lr=args.learning_rate, eps=1e-5)
     g = torch.Generator().manual_seed(2)
-    batch = random_batch(g)
-    for step in range(4):
-        frac = 1.0 - step / 4  # annealed as the loops do
-        lr.copy_(frac * args.learning_rate)
-        optimizer.param_groups[0]["lr"] = frac * args.learning_rate
-        idx = torch.randperm(BATCH, generator=g)[:MINIBATCH]
-        expected = plain_step(plain, plain_agent, optimizer, args, [t[idx] for t in batch])
-        torch.testing.assert_close(update(*batch, idx), expected, rtol=1e-5, atol=1e-6)
-    for name, value in plain_agent.state_dict().items():
-        torch.testing.assert_close(lean_agent.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
-    assert not torch.equal(plain_agent.actor_mean[0].weight, initial.actor_mean[0].weight)
+    args = lean.Args(max_grad_norm=0.05, ent_coef=0.01)  # a small max_grad_norm makes the clipping bite
+    clipped = assert_ppo_lean_update_is_plain(plain_agent, lean, lean.Agent(N_OBS, N_ACT), args, random_batch(g), MINIBATCH, g)
+    assert clipped > 0  # some ratios left the clip range
 
 
 def test_compiled_update_matches_eager(lean):
-    """Three compiled steps (one graph, per-tensor Adam) agree with three eager steps (fused
-    Adam), with the lr tensor changed in place between them.
-
-    Tolerance: rtol 1e-4, atol 1e-5. Inductor reorders float32 reductions, which moves the
-    results by ~1e-6; a wrong coefficient or a dropped term moves them by far more."""
-    args = lean.Args()
     torch.manual_seed(0)
-    agents = [lean.Agent(N_OBS, N_ACT)]
-    agents.append(copy.deepcopy(agents[0]))
-    (eager, lr_eager), (compiled, lr_compiled) = (lean_update(lean, a, args, c) for a, c in zip(agents, (False, True)))
     g = torch.Generator().manual_seed(1)
-    batch = random_batch(g)
-    for step in range(3):
-        for lr in (lr_eager, lr_compiled):
-            lr.copy_((1.0 - step / 3) * args.learning_rate)
-        idx = torch.randperm(BATCH, generator=g)[:MINIBATCH]
-        torch.testing.assert_close(compiled(*batch, idx), eager(*batch, idx), rtol=1e-4, atol=1e-5)
-    for (name, a), (_, b) in zip(agents[0].named_parameters(), agents[1].named_parameters()):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)
+    assert_ppo_compiled_update_matches_eager(lean, lean.Agent(N_OBS, N_ACT), random_batch(g), MINIBATCH, g)
 
 
 def reference_gae(rewards, values, dones, next_value, gamma, gae_lambda):
@@ -279,25 +217,12 @@ def test_policy_acts_from_the_agent_and_sees_every_update(lean, host):
 
 
 def changed_agent(lean, activation=nn.ReLU):
-    """A researcher's edit of Agent, its forward kept: in both networks other widths, ReLU for
-    Tanh (the first activation `activation`) and an extra layer."""
+    """A researcher's edit of Agent, its forward kept: both networks changed (`changed_mlp`)."""
 
     class ChangedAgent(lean.Agent):
         def __init__(self, n_obs, n_act, device=None):
             nn.Module.__init__(self)
-
-            def mlp(n_out):
-                return nn.Sequential(
-                    nn.Linear(n_obs, 32, device=device),
-                    activation(),
-                    nn.Linear(32, 48, device=device),
-                    nn.ReLU(),
-                    nn.Linear(48, 16, device=device),
-                    nn.ReLU(),
-                    nn.Linear(16, n_out, device=device),
-                )
-
-            self.critic, self.actor_mean = mlp(1), mlp(n_act)
+            self.critic, self.actor_mean = (changed_mlp(n_obs, n_out, activation, device) for n_out in (1, n_act))
             self.actor_logstd = nn.Parameter(torch.full((1, n_act), -0.5, device=device))
 
     return ChangedAgent
@@ -417,32 +342,11 @@ def test_layer_without_a_numpy_form_is_one_line(lean, monkeypatch, tmp_path, cap
 
 @pytest.mark.parametrize("changed", [False, True], ids=["agent", "changed-agent"])
 def test_stack_of_one_update_is_the_one_agent_update(lean, changed):
-    """One seed is a stack of one: make_update over stack_seeds([agent]) with num_seeds 1 (the
-    rollout and indices with a leading seed dimension of 1) runs the one agent's own ops and the
-    same fused Adam kernel as the update of the unstacked agent, so its metrics and parameters are
-    those bit for bit, for CleanRL's Agent and a changed one."""
-    args = lean.Args(max_grad_norm=0.05, ent_coef=0.01)
     torch.manual_seed(0)
     single = (changed_agent(lean) if changed else lean.Agent)(N_OBS, N_ACT)
-    stacked = copy.deepcopy(single)
-    single_update, single_lr = lean_update(lean, single, args, compiled=False)
-    lr = torch.tensor(args.learning_rate)
-    params = leanrl_utils.stack_seeds([stacked])
-    stacked_update = lean.make_update(stacked, leanrl_utils.Adam(params.items(), lr, eps=1e-5, fused=True), args, 1, 1)
-    initial = copy.deepcopy(single)
     g = torch.Generator().manual_seed(3)
-    batch = random_batch(g)
-    for step in range(3):
-        for rate in (lr, single_lr):
-            rate.copy_((1.0 - step / 3) * args.learning_rate)
-        idx = torch.randperm(BATCH, generator=g)[:MINIBATCH]
-        expected = single_update(*batch, idx)
-        metrics = stacked_update(*(x[None] for x in batch), idx[None])
-        assert metrics.shape == (1, len(lean.METRICS))
-        torch.testing.assert_close(metrics[0], expected, rtol=0, atol=0)
-    for name, value in single.state_dict().items():
-        torch.testing.assert_close(stacked.state_dict()[name], value, rtol=0, atol=0, msg=name)
-    assert not torch.equal(single.critic[0].weight, initial.critic[0].weight)
+    args = lean.Args(max_grad_norm=0.05, ent_coef=0.01)
+    assert_ppo_stack_of_one_is_the_one_agent(lean, single, args, random_batch(g), MINIBATCH, g)
 
 
 # make_gae of the lean PPO scripts whose dones[t] mean that step t ended an episode (Atari's
@@ -469,22 +373,28 @@ def test_gae_matches_reference_loop(path):
 # --target-kl: the approx_kl of each (epoch, minibatch), scripted. Epoch 0 ends below the
 # target but averages above it; epoch 1 ends above it. CleanRL's rule (the last minibatch's
 # approx_kl, after each epoch) stops after epoch 1: 2 epochs of 2 minibatches. The epoch mean
-# would stop after epoch 0 (2 updates), no rule at all after 4 epochs (8 updates).
+# would stop after epoch 0 (2 updates), no rule at all after 4 epochs (8 updates). Both PPO pairs
+# that share the rule's code (Atari's is tested against its plain twin: test_ppo_atari_envpool.py),
+# with 4 epochs and 4 iterations of 64 steps.
 TARGET_KL, OFFSET = 1.0, 2.0  # a log-ratio offset of 2 gives approx_kl = e^2 - 1 - 2 = 4.39
 SCRIPTED = {(0, 0), (1, 1)}
+KL_RUNS = {
+    **{path: dict(env_id="InvertedPendulum-v5") for path in BOTH},
+    **{path: dict(num_envs=1) for path in scripts("ppo.py") + scripts("ppo_torchcompile.py")},
+}
 
 
-@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
-def test_target_kl_stops_after_the_epoch_whose_last_minibatch_exceeds_it(path, plain, lean, monkeypatch, tmp_path):
-    module = plain if path == PLAIN_PATH else lean
+@pytest.mark.parametrize("path", list(KL_RUNS), ids=lambda p: p.stem)
+def test_target_kl_stops_after_the_epoch_whose_last_minibatch_exceeds_it(path, monkeypatch, tmp_path):
+    module = load_script(path)
     minibatches, calls, logged = 2, [0], []
 
     def scripted(k):
         return (k // minibatches, k % minibatches) in SCRIPTED
 
-    if module is plain:
+    if not is_lean(path):
         # The plain loop computes approx_kl from the log-ratio: shift the new log-probabilities.
-        get_action_and_value = plain.Agent.get_action_and_value
+        get_action_and_value = module.Agent.get_action_and_value
 
         def shifted(self, x, action=None):
             out = get_action_and_value(self, x, action)
@@ -494,9 +404,9 @@ def test_target_kl_stops_after_the_epoch_whose_last_minibatch_exceeds_it(path, p
             calls[0] += 1
             return out[0], out[1] + (OFFSET if scripted(calls[0] - 1) else 0.0), *out[2:]
 
-        monkeypatch.setattr(plain.Agent, "get_action_and_value", shifted)
+        monkeypatch.setattr(module.Agent, "get_action_and_value", shifted)
     else:
-        make_policy, make_update = lean.make_policy, lean.make_update
+        make_policy, make_update = module.make_policy, module.make_update
 
         def counting_policy(*args, **kwargs):
             policy = make_policy(*args, **kwargs)
@@ -513,24 +423,24 @@ def test_target_kl_stops_after_the_epoch_whose_last_minibatch_exceeds_it(path, p
             def wrapped(*args):
                 metrics = update(*args).clone()
                 calls[0] += 1
-                metrics[..., lean.APPROX_KL] = math.exp(OFFSET) - 1 - OFFSET if scripted(calls[0] - 1) else 0.0
+                metrics[..., module.APPROX_KL] = math.exp(OFFSET) - 1 - OFFSET if scripted(calls[0] - 1) else 0.0
                 return metrics
 
             return wrapped
 
-        monkeypatch.setattr(lean, "make_policy", counting_policy)
-        monkeypatch.setattr(lean, "make_update", scripted_update)
+        monkeypatch.setattr(module, "make_policy", counting_policy)
+        monkeypatch.setattr(module, "make_update", scripted_update)
     log = lambda self, step, updates, metrics, networks: logged.append((updates, metrics["losses/approx_kl"]))
     monkeypatch.setattr(leanrl_utils.Run, "log", log)
     monkeypatch.chdir(tmp_path)
     module.main(
         module.Args(
-            env_id="InvertedPendulum-v5",
             total_timesteps=256,
             num_steps=64,
             num_minibatches=minibatches,
             update_epochs=4,
             target_kl=TARGET_KL,
+            **KL_RUNS[path],
         )
     )
     updates = [u for u, _ in logged]
@@ -667,13 +577,3 @@ def test_bad_input_is_one_clear_line(path, bad_args, words, workdir):
     _, proc = run_script(path, *TINY["ppo_continuous_action"], *bad_args, cwd=workdir, check=False)
     assert_one_line_error(proc, *words)
     assert proc.returncode == 2
-
-
-@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
-def test_non_finite_loss_stops_with_one_line_and_saves_no_broken_weights(path, workdir):
-    """A learning rate of 1e30 blows the first iteration up: the run stops with one line naming
-    the step, after its summary, and saves nothing, since no log point had finite weights."""
-    args = [*TINY["ppo_continuous_action"], "--learning-rate", "1e30", "--save-model"]
-    summary, proc = run_script(path, *args, cwd=workdir, check=False)
-    assert_one_line_error(proc, "non-finite", "at step 64")
-    assert proc.returncode == 1 and summary["checkpoint"] is None and "no checkpoint saved" in proc.stderr
