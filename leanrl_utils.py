@@ -101,7 +101,7 @@ def fail(message, every_rank=False):
     torchrun only LOCAL_RANK 0 says why (every rank fails the same input), unless `every_rank`: a
     failure of this rank's own; a silent rank waits for torchrun to end it once rank 0 has spoken
     and exited. A run folder made for a run refused before its first log point goes too."""
-    speaks = every_rank or os.environ.get("LOCAL_RANK", "0") == "0"
+    speaks = every_rank or os.environ.get("WORLD_SIZE", "1") == "1" or os.environ.get("LOCAL_RANK", "0") == "0"
     if speaks:
         sys.stderr.write(f"error: {message}\n")  # one write: ranks sharing a stderr cannot split it
     for run in list(FRESH_RUNS):
