@@ -21,13 +21,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
-import tyro
 
-from leanrl_utils import Resumable, Run, check_args, check_memory, fail, real_next_obs
+from leanrl_utils import Run, checks, cli, fail, resume, vector
 
 
 @dataclass
-class Args(Resumable):
+class Args(resume.Flags):
     # common
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
@@ -133,7 +132,7 @@ def linear_schedule(start_e: float, end_e: float, duration: float, t: int) -> fl
     return start_e + (end_e - start_e) * min(t / duration, 1.0)
 
 
-def crossings(step: int, n: int, every: int) -> int:
+def multiples_passed(step: int, n: int, every: int) -> int:
     """How many multiples of `every` the step counter passed from step - n to step (n: num_envs)."""
     return step // every - (step - n) // every
 
@@ -157,7 +156,7 @@ class ReplayBuffer:
     """A ring buffer of transitions in numpy arrays on the host, sampled uniformly."""
 
     def __init__(self, buffer_size, n_obs):
-        check_memory(buffer_size * (2 * n_obs + 3) * 4, torch.device("cpu"), f"--buffer-size {buffer_size}")
+        checks.memory(buffer_size * (2 * n_obs + 3) * 4, torch.device("cpu"), f"--buffer-size {buffer_size}")
         self.obs = np.zeros((buffer_size, n_obs), dtype=np.float32)
         self.next_obs = np.zeros((buffer_size, n_obs), dtype=np.float32)
         self.actions = np.zeros((buffer_size, 1), dtype=np.int64)
@@ -199,11 +198,12 @@ def evaluate(q_network, args, run_name, device):
 
 
 def main(args: Args):
-    check_args(args)
+    resumed = resume.read(args, __file__)
+    checks.flags(args)
     if args.batch_size > args.buffer_size:
         fail(f"--batch-size {args.batch_size} is larger than --buffer-size {args.buffer_size}: make the buffer hold a batch")
     num_iterations = args.total_timesteps // args.num_envs
-    run = Run(args, num_iterations * args.num_envs, __file__)
+    run = Run(args, num_iterations * args.num_envs, __file__, resumed)
 
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -229,53 +229,52 @@ def main(args: Args):
     obs, _ = envs.reset(seed=args.seed)
     objects = {"q_network": q_network, "target_network": target_network, "optimizer": optimizer, "rb": rb, "envs": envs}
     global_step, updates, loss, old_val, obs = run.resume(objects, lambda: (global_step, updates, loss, old_val, obs), device)
-    try:
-        for iteration in run.iterations(global_step // args.num_envs, num_iterations):
-            epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_fraction * args.total_timesteps, global_step)
-            # One coin per env, so that several envs explore as one env would.
-            explore = np.random.random(args.num_envs) < epsilon
-            actions = np.random.randint(n_act, size=args.num_envs)
-            if not explore.all():
-                q_values = q_network(torch.Tensor(obs).to(device).flatten(1))
-                actions = np.where(explore, actions, torch.argmax(q_values, dim=1).cpu().numpy())
+    for iteration in range(global_step // args.num_envs, num_iterations):
+        if run.checkpoint(iteration):  # a stop signal, or --checkpoint-every: resume.pt
+            break
+        epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_fraction * args.total_timesteps, global_step)
+        # One coin per env, so that several envs explore as one env would.
+        explore = np.random.random(args.num_envs) < epsilon
+        actions = np.random.randint(n_act, size=args.num_envs)
+        if not explore.all():
+            q_values = q_network(torch.Tensor(obs).to(device).flatten(1))
+            actions = np.where(explore, actions, torch.argmax(q_values, dim=1).cpu().numpy())
 
-            next_obs, rewards, terminations, truncations, infos = envs.step(actions)
-            global_step += args.num_envs
-            run.episodes(global_step, infos)
+        next_obs, rewards, terminations, truncations, infos = envs.step(actions)
+        global_step += args.num_envs
+        run.episodes(global_step, infos)
 
-            # The done flag is the termination only: a time-limit truncation still bootstraps
-            # from the true last observation (see make_envs for the autoreset).
-            rb.add(obs, real_next_obs(next_obs, infos), actions, rewards, terminations)
-            obs = next_obs
+        # The done flag is the termination only: a time-limit truncation still bootstraps
+        # from the true last observation (see make_envs for the autoreset).
+        rb.add(obs, vector.real_next_obs(next_obs, infos), actions, rewards, terminations)
+        obs = next_obs
 
-            if global_step > args.learning_starts:
-                for _ in range(crossings(global_step, args.num_envs, args.train_frequency)):
-                    data_obs, data_actions, data_next_obs, data_dones, data_rewards = rb.sample(args.batch_size, device)
-                    with torch.no_grad():
-                        target_max, _ = target_network(data_next_obs).max(dim=1)
-                        td_target = data_rewards.flatten() + args.gamma * target_max * (1 - data_dones.flatten())
-                    old_val = q_network(data_obs).gather(1, data_actions).squeeze(1)
-                    loss = F.mse_loss(td_target, old_val)
+        if global_step > args.learning_starts:
+            for _ in range(multiples_passed(global_step, args.num_envs, args.train_frequency)):
+                data_obs, data_actions, data_next_obs, data_dones, data_rewards = rb.sample(args.batch_size, device)
+                with torch.no_grad():
+                    target_max, _ = target_network(data_next_obs).max(dim=1)
+                    td_target = data_rewards.flatten() + args.gamma * target_max * (1 - data_dones.flatten())
+                old_val = q_network(data_obs).gather(1, data_actions).squeeze(1)
+                loss = F.mse_loss(td_target, old_val)
 
-                    optimizer.zero_grad()
-                    loss.backward()
-                    optimizer.step()
-                    updates += 1
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                updates += 1
 
-                if crossings(global_step, args.num_envs, args.target_network_frequency):
-                    for target_network_param, q_network_param in zip(target_network.parameters(), q_network.parameters()):
-                        target_network_param.data.copy_(
-                            args.tau * q_network_param.data + (1.0 - args.tau) * target_network_param.data
-                        )
+            if multiples_passed(global_step, args.num_envs, args.target_network_frequency):
+                for target_network_param, q_network_param in zip(target_network.parameters(), q_network.parameters()):
+                    target_network_param.data.copy_(
+                        args.tau * q_network_param.data + (1.0 - args.tau) * target_network_param.data
+                    )
 
-            if crossings(global_step, args.num_envs, LOG_EVERY) or iteration == num_iterations - 1:
-                stats = {"losses/td_loss": loss.item(), "losses/q_values": old_val.mean().item()} if loss is not None else {}
-                if stats and not math.isfinite(stats["losses/td_loss"]):
-                    run.stop_reason = f"non-finite td_loss {stats['losses/td_loss']} at step {global_step}"
-                    break
-                run.log(global_step, updates, {**stats, "charts/epsilon": epsilon}, {"q_network": q_network})
-    except KeyboardInterrupt:
-        run.interrupt()
+        if multiples_passed(global_step, args.num_envs, LOG_EVERY) or iteration == num_iterations - 1:
+            stats = {"losses/td_loss": loss.item(), "losses/q_values": old_val.mean().item()} if loss is not None else {}
+            if stats and not math.isfinite(stats["losses/td_loss"]):
+                run.stop_reason = f"non-finite td_loss {stats['losses/td_loss']} at step {global_step}"
+                break
+            run.log(global_step, updates, {**stats, "charts/epsilon": epsilon}, {"q_network": q_network})
     envs.close()
     run.finish(
         global_step, updates, {"q_network": q_network}, lambda: evaluate(q_network, args, run.name, device), device=device.type
@@ -283,4 +282,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(cli(Args))

@@ -25,13 +25,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
-import tyro
 
-from leanrl_utils import Resumable, Run, check_args, check_memory, envpool_envs, fail
+from leanrl_utils import Run, checks, cli, fail, resume, vector
 
 
 @dataclass
-class Args(Resumable):
+class Args(resume.Flags):
     # common
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
@@ -98,7 +97,7 @@ def linear_schedule(start_e: float, end_e: float, duration: float, t: int) -> fl
     return start_e + (end_e - start_e) * min(t / duration, 1.0)
 
 
-def crossings(step: int, n: int, every: int) -> int:
+def multiples_passed(step: int, n: int, every: int) -> int:
     """How many multiples of `every` the step counter passed from step - n to step (n: num_envs)."""
     return step // every - (step - n) // every
 
@@ -146,7 +145,7 @@ class ReplayBuffer:
 
     def __init__(self, buffer_size, num_envs):
         self.buffer_size = buffer_size // num_envs  # rows of the ring, one vector step each
-        check_memory(self.buffer_size * num_envs * ROW_BYTES, torch.device("cpu"), f"--buffer-size {buffer_size}")
+        checks.memory(self.buffer_size * num_envs * ROW_BYTES, torch.device("cpu"), f"--buffer-size {buffer_size}")
         self.frames = np.zeros((self.buffer_size, num_envs, 84, 84), dtype=np.uint8)
         self.first = np.zeros((self.buffer_size, num_envs), dtype=bool)
         self.skip = np.zeros((self.buffer_size, num_envs), dtype=bool)
@@ -194,7 +193,7 @@ def evaluate(q_network, args, run_name, device):
     """Mean whole-game return of the greedy policy over `eval_episodes` games. Episodic life stays
     on, so that envpool presses FIRE after each lost life (a greedy policy may never do it); a
     game that never ends is cut by envpool's own limit of 27,000 steps."""
-    eval_envs = envpool_envs(args.env_id, 1, args.seed + 10_000, args.capture_video, f"videos/{run_name}-eval")
+    eval_envs = vector.envpool_envs(args.env_id, 1, args.seed + 10_000, args.capture_video, f"videos/{run_name}-eval")
     returns = []
     obs, _ = eval_envs.reset()
     with torch.no_grad():
@@ -207,7 +206,8 @@ def evaluate(q_network, args, run_name, device):
 
 
 def main(args: Args):
-    check_args(args, atari=True)
+    resumed = resume.read(args, __file__)
+    checks.flags(args, atari=True)
     if args.batch_size > args.buffer_size:
         fail(f"--batch-size {args.batch_size} is larger than --buffer-size {args.buffer_size}: make the buffer hold a batch")
     if args.buffer_size < 8 * args.num_envs:
@@ -216,7 +216,7 @@ def main(args: Args):
         fail(f"--learning-starts {args.learning_starts} comes before any whole transition: give at least {args.num_envs}")
     num_iterations = args.total_timesteps // args.num_envs
     rb = ReplayBuffer(args.buffer_size, args.num_envs)  # refuses a buffer that does not fit, before any work
-    run = Run(args, num_iterations * args.num_envs, __file__)
+    run = Run(args, num_iterations * args.num_envs, __file__, resumed)
 
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -224,7 +224,7 @@ def main(args: Args):
     torch.backends.cudnn.deterministic = args.torch_deterministic
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
 
-    envs = envpool_envs(args.env_id, args.num_envs, args.seed, args.capture_video, f"videos/{run.name}")
+    envs = vector.envpool_envs(args.env_id, args.num_envs, args.seed, args.capture_video, f"videos/{run.name}")
     n_act = int(envs.single_action_space.n)
 
     q_network = QNetwork(n_act, device=device)
@@ -242,58 +242,57 @@ def main(args: Args):
     # held (whose next frames would be the new game's) is never sampled.
     objects = {"q_network": q_network, "target_network": target_network, "optimizer": optimizer, "rb": rb}
     global_step, updates, loss, old_val = run.resume(objects, lambda: (global_step, updates, loss, old_val), device)
-    if run.resumed:
+    if resumed:
         rb.skip[(rb.pos - 1) % rb.buffer_size] = True
-    try:
-        for iteration in run.iterations(global_step // args.num_envs, num_iterations):
-            epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_fraction * args.total_timesteps, global_step)
-            # One coin per env, so that several envs explore as one env would.
-            explore = np.random.random(args.num_envs) < epsilon
-            actions = np.random.randint(n_act, size=args.num_envs)
-            if not explore.all():
-                q_values = q_network(torch.as_tensor(obs, device=device))
-                actions = np.where(explore, actions, torch.argmax(q_values, dim=1).cpu().numpy())
+    for iteration in range(global_step // args.num_envs, num_iterations):
+        if run.checkpoint(iteration):  # a stop signal, or --checkpoint-every: resume.pt
+            break
+        epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_fraction * args.total_timesteps, global_step)
+        # One coin per env, so that several envs explore as one env would.
+        explore = np.random.random(args.num_envs) < epsilon
+        actions = np.random.randint(n_act, size=args.num_envs)
+        if not explore.all():
+            q_values = q_network(torch.as_tensor(obs, device=device))
+            actions = np.where(explore, actions, torch.argmax(q_values, dim=1).cpu().numpy())
 
-            next_obs, rewards, terminations, truncations, infos = envs.step(actions)
-            global_step += args.num_envs
-            run.episodes(global_step, infos)
+        next_obs, rewards, terminations, truncations, infos = envs.step(actions)
+        global_step += args.num_envs
+        run.episodes(global_step, infos)
 
-            # envpool autoresets on the NEXT step: the step that ends an episode returns its last
-            # frame (so a truncation bootstraps from it: the done flag is the termination only),
-            # and the following step ignores its action and returns the next episode's first
-            # frame. That reset step is no transition of the game: the buffer never samples it.
-            rb.add(obs, actions, rewards, terminations, reset_step)
-            reset_step = terminations | truncations
-            obs = next_obs
+        # envpool autoresets on the NEXT step: the step that ends an episode returns its last
+        # frame (so a truncation bootstraps from it: the done flag is the termination only),
+        # and the following step ignores its action and returns the next episode's first
+        # frame. That reset step is no transition of the game: the buffer never samples it.
+        rb.add(obs, actions, rewards, terminations, reset_step)
+        reset_step = terminations | truncations
+        obs = next_obs
 
-            if global_step > args.learning_starts:
-                for _ in range(crossings(global_step, args.num_envs, args.train_frequency)):
-                    data_obs, data_actions, data_next_obs, data_dones, data_rewards = rb.sample(args.batch_size, device)
-                    with torch.no_grad():
-                        target_max, _ = target_network(data_next_obs).max(dim=1)
-                        td_target = data_rewards.flatten() + args.gamma * target_max * (1 - data_dones.flatten())
-                    old_val = q_network(data_obs).gather(1, data_actions).squeeze(1)
-                    loss = F.mse_loss(td_target, old_val)
+        if global_step > args.learning_starts:
+            for _ in range(multiples_passed(global_step, args.num_envs, args.train_frequency)):
+                data_obs, data_actions, data_next_obs, data_dones, data_rewards = rb.sample(args.batch_size, device)
+                with torch.no_grad():
+                    target_max, _ = target_network(data_next_obs).max(dim=1)
+                    td_target = data_rewards.flatten() + args.gamma * target_max * (1 - data_dones.flatten())
+                old_val = q_network(data_obs).gather(1, data_actions).squeeze(1)
+                loss = F.mse_loss(td_target, old_val)
 
-                    optimizer.zero_grad()
-                    loss.backward()
-                    optimizer.step()
-                    updates += 1
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                updates += 1
 
-                if crossings(global_step, args.num_envs, args.target_network_frequency):
-                    for target_network_param, q_network_param in zip(target_network.parameters(), q_network.parameters()):
-                        target_network_param.data.copy_(
-                            args.tau * q_network_param.data + (1.0 - args.tau) * target_network_param.data
-                        )
+            if multiples_passed(global_step, args.num_envs, args.target_network_frequency):
+                for target_network_param, q_network_param in zip(target_network.parameters(), q_network.parameters()):
+                    target_network_param.data.copy_(
+                        args.tau * q_network_param.data + (1.0 - args.tau) * target_network_param.data
+                    )
 
-            if crossings(global_step, args.num_envs, LOG_EVERY) or iteration == num_iterations - 1:
-                stats = {"losses/td_loss": loss.item(), "losses/q_values": old_val.mean().item()} if loss is not None else {}
-                if stats and not math.isfinite(stats["losses/td_loss"]):
-                    run.stop_reason = f"non-finite td_loss {stats['losses/td_loss']} at step {global_step}"
-                    break
-                run.log(global_step, updates, {**stats, "charts/epsilon": epsilon}, {"q_network": q_network})
-    except KeyboardInterrupt:
-        run.interrupt()
+        if multiples_passed(global_step, args.num_envs, LOG_EVERY) or iteration == num_iterations - 1:
+            stats = {"losses/td_loss": loss.item(), "losses/q_values": old_val.mean().item()} if loss is not None else {}
+            if stats and not math.isfinite(stats["losses/td_loss"]):
+                run.stop_reason = f"non-finite td_loss {stats['losses/td_loss']} at step {global_step}"
+                break
+            run.log(global_step, updates, {**stats, "charts/epsilon": epsilon}, {"q_network": q_network})
     envs.close()
     run.finish(
         global_step, updates, {"q_network": q_network}, lambda: evaluate(q_network, args, run.name, device), device=device.type
@@ -301,4 +300,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(cli(Args))

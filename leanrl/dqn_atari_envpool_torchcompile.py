@@ -4,7 +4,7 @@ Deep Q-Network (Mnih et al., 2015, https://www.nature.com/articles/nature14236) 
 CNN on envpool's Atari games (Weng et al., 2022), learning as the plain `dqn_atari_envpool.py`
 (CleanRL's `dqn_atari.py`) does, faster: the replay buffer stores each frame once on the training
 device and the update rebuilds the frame stacks it samples, in the one graph that compiles with
-the loss, backward and Adam; exploration is drawn in blocks; acting runs only on steps where
+the loss, backward and optimizers.Adam; exploration is drawn in blocks; acting runs only on steps where
 some env acts greedily; nothing syncs the host with the device between two log points but the
 greedy actions the env needs.
 
@@ -23,31 +23,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn as nn
-import tyro
 from tensordict.nn import CudaGraphModule
 
-from leanrl_utils import (
-    Adam,
-    ReplayBuffer,
-    Resumable,
-    check_args,
-    check_memory,
-    envpool_envs,
-    fail,
-    finish_seeds,
-    host_arrays,
-    log_episodes,
-    log_seeds,
-    seed_runs,
-    seeds_forward,
-    speed_toggles,
-    stack_seeds,
-    value_guards,
-)
+from leanrl_utils import acting, checks, cli, fail, optimizers, resume, seeds, speed, vector
+from leanrl_utils.buffers import ReplayBuffer
 
 
 @dataclass
-class Args(Resumable):
+class Args(resume.Flags):
     # common
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
@@ -153,8 +136,8 @@ def make_update(q_network, target_params, optimizer, storage, gamma, num_seeds):
     """One gradient step of every seed, one graph, on the transitions at rows and columns `idx`
     ([2, seeds * batch], block k seed k's) of the frame storage: it rebuilds each obs and next_obs
     stack from the stored frames (`frame_stacks`), then the TD loss, its gradient (torch.func; the
-    summed losses, so each seed steps on its own) and Adam. Returns [len(METRICS), seeds] on the device."""
-    forward = seeds_forward(q_network)
+    summed losses, so each seed steps on its own) and optimizers.Adam. Returns [len(METRICS), seeds] on the device."""
+    forward = seeds.forward(q_network)
     frames, first = storage["frames"], storage["first"]
     buffer_rows = len(frames)
 
@@ -237,8 +220,8 @@ def draw_exploration(epsilons, num_envs, n_act, device):
 
 def make_policy(q_network, params, num_seeds):
     """The greedy action for frame stacks [seeds * envs, 4, 84, 84] (seed k's envs in block k) under
-    each seed's network, derived from `q_network` (`seeds_forward`; convolutions have no numpy form)."""
-    forward = seeds_forward(q_network)
+    each seed's network, derived from `q_network` (`seeds.forward`; convolutions have no numpy form)."""
+    forward = seeds.forward(q_network)
     return lambda obs: forward(params, obs.view(num_seeds, -1, *obs.shape[1:])).argmax(dim=2).flatten()
 
 
@@ -249,7 +232,7 @@ def linear_schedule(start_e: float, end_e: float, duration: float, t: int) -> fl
     return start_e + (end_e - start_e) * min(t / duration, 1.0)
 
 
-def crossings(step: int, n: int, every: int) -> int:
+def multiples_passed(step: int, n: int, every: int) -> int:
     """How many multiples of `every` the step counter passed from step - n to step (n: num_envs)."""
     return step // every - (step - n) // every
 
@@ -258,7 +241,7 @@ def evaluate(q_network, args, run_name, device):
     """Mean whole-game return of the greedy policy over `eval_episodes` games. Episodic life stays
     on, so that envpool presses FIRE after each lost life (a greedy policy may never do it); a
     game that never ends is cut by envpool's own limit of 27,000 steps."""
-    eval_envs = envpool_envs(args.env_id, 1, args.seed + 10_000, args.capture_video, f"videos/{run_name}-eval")
+    eval_envs = vector.envpool_envs(args.env_id, 1, args.seed + 10_000, args.capture_video, f"videos/{run_name}-eval")
     returns = []
     obs, _ = eval_envs.reset()
     with torch.no_grad():
@@ -271,7 +254,8 @@ def evaluate(q_network, args, run_name, device):
 
 
 def main(args: Args):
-    check_args(args, atari=True)
+    resumed = resume.read(args, __file__)
+    checks.flags(args, atari=True)
     if args.batch_size > args.buffer_size:
         fail(f"--batch-size {args.batch_size} is larger than --buffer-size {args.buffer_size}: make the buffer hold a batch")
     if args.buffer_size < 8 * args.num_envs:
@@ -279,12 +263,12 @@ def main(args: Args):
     if args.learning_starts < args.num_envs:
         fail(f"--learning-starts {args.learning_starts} comes before any whole transition: give at least {args.num_envs}")
     num_seeds, num_iterations = args.num_seeds, args.total_timesteps // args.num_envs
-    device, cudagraphs = speed_toggles(args)
+    device, cudagraphs = speed.setup(args)
     # One line before any game is made: the buffer holds every seed's frames.
-    seeds = f"--num-seeds {num_seeds} with " if num_seeds > 1 else ""
+    per_seed = f"--num-seeds {num_seeds} with " if num_seeds > 1 else ""
     nbytes = num_seeds * (args.buffer_size // args.num_envs) * args.num_envs * ROW_BYTES
-    check_memory(nbytes, device, f"{seeds}--buffer-size {args.buffer_size}")
-    runs = seed_runs(args, num_iterations * args.num_envs, __file__)
+    checks.memory(nbytes, device, f"{per_seed}--buffer-size {args.buffer_size}")
+    runs = seeds.runs(args, num_iterations * args.num_envs, __file__, resumed)
     run = runs[0]
 
     random.seed(args.seed)
@@ -293,7 +277,7 @@ def main(args: Args):
     torch.backends.cudnn.deterministic = args.torch_deterministic
 
     # Sub-env k * num_envs + i is env i of seed k; envpool seeds it with seed + k * num_envs + i.
-    envs = envpool_envs(args.env_id, num_seeds * args.num_envs, args.seed, args.capture_video, f"videos/{run.name}")
+    envs = vector.envpool_envs(args.env_id, num_seeds * args.num_envs, args.seed, args.capture_video, f"videos/{run.name}")
     n_act = int(envs.single_action_space.n)
 
     q_networks = [QNetwork(n_act, device=device)]
@@ -303,7 +287,7 @@ def main(args: Args):
         q_networks.append(QNetwork(n_act, device=device))
     for q_network in q_networks if args.load_model else []:
         run.load({"q_network": q_network})
-    q_params = stack_seeds(q_networks)
+    q_params = seeds.stack(q_networks)
     networks = [{"q_network": net} for net in q_networks]  # what each seed's Run logs and saves
     target_params = q_params.clone()
 
@@ -311,20 +295,20 @@ def main(args: Args):
     stage_steps = max(1, -(-args.train_frequency // args.num_envs))
     rb = FrameReplay(args.buffer_size, args.num_envs, num_seeds, stage_steps, device)
 
-    # On CUDA, Adam's step counts live on the device (capturable), so the update never syncs.
-    optimizer = Adam(q_params.items(), args.learning_rate, capturable=device.type == "cuda")
+    # On CUDA, optimizers.Adam's step counts live on the device (capturable), so the update never syncs.
+    optimizer = optimizers.Adam(q_params.items(), args.learning_rate, capturable=device.type == "cuda")
     update = make_update(q_networks[0], dict(target_params.items()), optimizer, rb.storage, args.gamma, num_seeds)
     policy = make_policy(q_networks[0], dict(q_params.items()), num_seeds)
-    # --compile: the update, one graph (the stacks' gathers, loss, backward and Adam around the
+    # --compile: the update, one graph (the stacks' gathers, loss, backward and optimizers.Adam around the
     # convolutions, which inductor leaves to cuDNN or oneDNN); the policy on CUDA only: on a CPU its
     # convolutions are nearly all of its time.
     if args.compile:
-        update = torch.compile(update, options={"guard_filter_fn": value_guards, "cpp_wrapper": device.type == "cpu"})
+        update = torch.compile(update, options={"guard_filter_fn": speed.value_guards, "cpp_wrapper": device.type == "cpu"})
         if device.type == "cuda":
-            policy = torch.compile(policy, options={"guard_filter_fn": value_guards})
+            policy = torch.compile(policy, options={"guard_filter_fn": speed.value_guards})
     if cudagraphs:
         update, policy = CudaGraphModule(update), CudaGraphModule(policy)
-    policy = host_arrays(policy, device)
+    policy = acting.host_arrays(policy, device)
 
     global_step = updates = 0
     metrics, epsilon = None, args.start_e
@@ -337,56 +321,55 @@ def main(args: Args):
     objects = {"q_params": q_params, "target_params": target_params, "optimizer": optimizer, "rb": rb}
     loop = lambda: (global_step, updates, metrics, epsilon, explore, random_actions, epsilons)
     global_step, updates, metrics, epsilon, explore, random_actions, epsilons = run.resume(objects, loop, device)
-    if run.resumed:
+    if resumed:
         rb.skip[(rb.pos - 1) % rb.buffer_size] = True
-    try:
-        # Gradients come from torch.func inside the update, which this context does not reach.
-        with torch.no_grad():
-            for iteration in run.iterations(global_step // args.num_envs, num_iterations):
-                step = iteration % draw_steps
-                if step == 0:
-                    # Drawn on the host, where the env is: a step where every env explores skips the network.
-                    duration = args.exploration_fraction * args.total_timesteps
-                    block = range(global_step, global_step + args.num_envs * draw_steps, args.num_envs)
-                    epsilons = [linear_schedule(args.start_e, args.end_e, duration, t) for t in block]
-                    draws = draw_exploration(epsilons, num_seeds * args.num_envs, n_act, "cpu")
-                    explore, random_actions = (x.numpy() for x in draws)
-                epsilon, actions = epsilons[step], random_actions[step]
-                if not explore[step].all():
+    # Gradients come from torch.func inside the update, which this context does not reach.
+    with torch.no_grad():
+        for iteration in range(global_step // args.num_envs, num_iterations):
+            if run.checkpoint(iteration):  # a stop signal, or --checkpoint-every: resume.pt
+                break
+            step = iteration % draw_steps
+            if step == 0:
+                # Drawn on the host, where the env is: a step where every env explores skips the network.
+                duration = args.exploration_fraction * args.total_timesteps
+                block = range(global_step, global_step + args.num_envs * draw_steps, args.num_envs)
+                epsilons = [linear_schedule(args.start_e, args.end_e, duration, t) for t in block]
+                draws = draw_exploration(epsilons, num_seeds * args.num_envs, n_act, "cpu")
+                explore, random_actions = (x.numpy() for x in draws)
+            epsilon, actions = epsilons[step], random_actions[step]
+            if not explore[step].all():
+                if cudagraphs:
+                    torch.compiler.cudagraph_mark_step_begin()
+                actions = np.where(explore[step], actions, policy(obs))
+            next_obs, rewards, terminations, truncations, infos = envs.step(actions)
+            global_step += args.num_envs
+            seeds.episodes(runs, global_step, infos, args.num_envs)
+
+            # envpool's reset steps are never sampled (see the plain script's loop); the done
+            # flag is the termination only: a truncation bootstraps from the last frame.
+            rb.add(obs, actions, rewards, terminations, reset_step)
+            reset_step = terminations | truncations
+            obs = next_obs
+
+            if global_step > args.learning_starts:
+                for _ in range(multiples_passed(global_step, args.num_envs, args.train_frequency)):
+                    idx = rb.sample(args.batch_size)
                     if cudagraphs:
                         torch.compiler.cudagraph_mark_step_begin()
-                    actions = np.where(explore[step], actions, policy(obs))
-                next_obs, rewards, terminations, truncations, infos = envs.step(actions)
-                global_step += args.num_envs
-                log_episodes(runs, global_step, infos, args.num_envs)
+                    # The graphed output is overwritten by the next call; only the latest is read.
+                    metrics = update(idx)
+                    updates += 1
+                if multiples_passed(global_step, args.num_envs, args.target_network_frequency):
+                    target_params.lerp_(q_params, args.tau)
 
-                # envpool's reset steps are never sampled (see the plain script's loop); the done
-                # flag is the termination only: a truncation bootstraps from the last frame.
-                rb.add(obs, actions, rewards, terminations, reset_step)
-                reset_step = terminations | truncations
-                obs = next_obs
-
-                if global_step > args.learning_starts:
-                    for _ in range(crossings(global_step, args.num_envs, args.train_frequency)):
-                        idx = rb.sample(args.batch_size)
-                        if cudagraphs:
-                            torch.compiler.cudagraph_mark_step_begin()
-                        # The graphed output is overwritten by the next call; only the latest is read.
-                        metrics = update(idx)
-                        updates += 1
-                    if crossings(global_step, args.num_envs, args.target_network_frequency):
-                        target_params.lerp_(q_params, args.tau)
-
-                if crossings(global_step, args.num_envs, LOG_EVERY) or iteration == num_iterations - 1:
-                    # note: a host sync, at the log points only
-                    if not log_seeds(runs, global_step, updates, metrics, METRICS, networks, **{"charts/epsilon": epsilon}):
-                        break
-    except KeyboardInterrupt:
-        run.interrupt()
+            if multiples_passed(global_step, args.num_envs, LOG_EVERY) or iteration == num_iterations - 1:
+                # note: a host sync, at the log points only
+                if not seeds.log(runs, global_step, updates, metrics, METRICS, networks, **{"charts/epsilon": epsilon}):
+                    break
     envs.close()
     evaluate_seed = lambda nets, seed_args, name: evaluate(nets["q_network"], seed_args, name, device)
-    finish_seeds(runs, global_step, updates, networks, evaluate_seed, device=device.type, cudagraphs=cudagraphs)
+    seeds.finish(runs, global_step, updates, networks, evaluate_seed, device=device.type, cudagraphs=cudagraphs)
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(cli(Args))

@@ -23,33 +23,14 @@ import gymnasium as gym
 import numpy as np
 import torch
 import torch.nn as nn
-import tyro
 from tensordict.nn import CudaGraphModule
 
-from leanrl_utils import (
-    Adam,
-    ReplayBuffer,
-    Resumable,
-    SameStepEnvs,
-    check_args,
-    check_memory,
-    fail,
-    finish_seeds,
-    host_arrays,
-    log_episodes,
-    log_seeds,
-    numpy_forward,
-    real_next_obs,
-    seed_runs,
-    seeds_forward,
-    speed_toggles,
-    stack_seeds,
-    value_guards,
-)
+from leanrl_utils import acting, checks, cli, fail, optimizers, resume, seeds, speed, vector
+from leanrl_utils.buffers import ReplayBuffer
 
 
 @dataclass
-class Args(Resumable):
+class Args(resume.Flags):
     # common
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
@@ -149,10 +130,10 @@ class QNetwork(nn.Module):
 
 def make_update(q_network, target_params, optimizer, storage, gamma, num_seeds):
     """One gradient step of every seed, one graph, on rows `idx` of the storage ([buffer_size, seeds,
-    ...], block k from seed k's column). The summed losses are differentiated (torch.func) and Adam
+    ...], block k from seed k's column). The summed losses are differentiated (torch.func) and optimizers.Adam
     is elementwise, so each seed steps on its own loss. Returns [len(METRICS), seeds] on the device."""
-    forward = seeds_forward(q_network)
-    seeds = torch.arange(num_seeds, device=next(iter(storage.values())).device).unsqueeze(1)
+    forward = seeds.forward(q_network)
+    seed_ids = torch.arange(num_seeds, device=next(iter(storage.values())).device).unsqueeze(1)
 
     def td_loss(params, obs, actions, td_target):
         old_val = forward(params, obs).gather(2, actions.unsqueeze(2)).squeeze(2)
@@ -160,7 +141,7 @@ def make_update(q_network, target_params, optimizer, storage, gamma, num_seeds):
         return losses.sum(), (losses, old_val)
 
     def update(idx):
-        batch = {key: value[idx.view(num_seeds, -1), seeds] for key, value in storage.items()}
+        batch = {key: value[idx.view(num_seeds, -1), seed_ids] for key, value in storage.items()}
         with torch.no_grad():
             target_max = forward(target_params, batch["next_obs"]).max(dim=2).values
             td_target = batch["rewards"] + gamma * target_max * (1 - batch["dones"])
@@ -184,12 +165,12 @@ def draw_exploration(epsilons, num_envs, n_act, device):
 
 def make_policy(q_network, params, num_seeds, host):
     """The greedy action for observations [seeds * envs, n_obs] (seed k's envs in block k) under
-    each seed's network (`params` from `stack_seeds`), derived from `q_network`: on a CPU (`host`)
+    each seed's network (`params` from `seeds.stack`), derived from `q_network`: on a CPU (`host`)
     in numpy, where an op on a few numbers costs under a microsecond and a torch op several."""
     if host:
-        forward = numpy_forward(q_network, params)
+        forward = acting.numpy_forward(q_network, params)
         return lambda obs: forward(obs.reshape(num_seeds, -1, obs.shape[-1])).argmax(2).ravel()
-    forward = seeds_forward(q_network)
+    forward = seeds.forward(q_network)
     return lambda obs: forward(params, obs.view(num_seeds, -1, obs.shape[-1])).argmax(dim=2).flatten()
 
 
@@ -205,7 +186,7 @@ def make_envs(args, run_name, num_envs, capture_video=False):
             probe.close()
         # SAME_STEP autoreset: the step that ends an episode returns the first observation of the
         # next one and the true last one in infos["final_obs"], so no transition spans an autoreset.
-        envs = SameStepEnvs([make_env(args.env_id, i, capture_video, run_name) for i in range(num_envs)])
+        envs = vector.SameStepEnvs([make_env(args.env_id, i, capture_video, run_name) for i in range(num_envs)])
     except gym.error.DependencyNotInstalled as e:
         fail(f"{args.env_id} needs a missing dependency ({e})")
     space = envs.single_action_space
@@ -224,7 +205,7 @@ def linear_schedule(start_e: float, end_e: float, duration: float, t: int) -> fl
     return start_e + (end_e - start_e) * min(t / duration, 1.0)
 
 
-def crossings(step: int, n: int, every: int) -> int:
+def multiples_passed(step: int, n: int, every: int) -> int:
     """How many multiples of `every` the step counter passed from step - n to step (n: num_envs)."""
     return step // every - (step - n) // every
 
@@ -246,18 +227,19 @@ def evaluate(q_network, args, run_name, device):
 
 
 def main(args: Args):
-    check_args(args)
+    resumed = resume.read(args, __file__)
+    checks.flags(args)
     if args.batch_size > args.buffer_size:
         fail(f"--batch-size {args.batch_size} is larger than --buffer-size {args.buffer_size}: make the buffer hold a batch")
     num_seeds, num_iterations = args.num_seeds, args.total_timesteps // args.num_envs
-    device, cudagraphs = speed_toggles(args)
+    device, cudagraphs = speed.setup(args)
     if num_seeds > 1:  # one line before num_seeds x num_envs envs are made (rows as in `fields` below)
         probe = make_envs(args, "probe", 1)
         row_bytes = 8 * math.prod(probe.single_observation_space.shape) + 16
         probe.close()
         what = f"--num-seeds {num_seeds} with --buffer-size {args.buffer_size}"
-        check_memory(num_seeds * args.buffer_size * row_bytes, device, what)
-    runs = seed_runs(args, num_iterations * args.num_envs, __file__)
+        checks.memory(num_seeds * args.buffer_size * row_bytes, device, what)
+    runs = seeds.runs(args, num_iterations * args.num_envs, __file__, resumed)
     run = runs[0]
 
     random.seed(args.seed)
@@ -277,38 +259,38 @@ def main(args: Args):
         q_networks.append(QNetwork(n_obs, n_act, device=device))
     for q_network in q_networks if args.load_model else []:
         run.load({"q_network": q_network})
-    q_params = stack_seeds(q_networks)
+    q_params = seeds.stack(q_networks)
     networks = [{"q_network": net} for net in q_networks]  # what each seed's Run logs and saves
     target_params = q_params.clone()
 
     # Blocks of train_frequency steps (whole vector steps, at most the buffer) go to the device at once.
     stage_steps = max(1, min(-(-args.train_frequency // args.num_envs), args.buffer_size // args.num_envs))
     # A row holds one transition of each seed: [buffer_size, seeds, ...].
-    vector, scalar = ((num_seeds, n_obs), torch.float32), ((num_seeds,), torch.float32)
-    fields = {"obs": vector, "next_obs": vector, "actions": ((num_seeds,), torch.int64), "rewards": scalar, "dones": scalar}
+    obs_row, scalar = ((num_seeds, n_obs), torch.float32), ((num_seeds,), torch.float32)
+    fields = {"obs": obs_row, "next_obs": obs_row, "actions": ((num_seeds,), torch.int64), "rewards": scalar, "dones": scalar}
     rb = ReplayBuffer(args.buffer_size, fields, stage_steps * args.num_envs, device)
 
-    def rows(**values):
+    def buffer_rows(**values):
         """Per-sub-env values as buffer rows: env i of every seed in row i (with one env per seed,
         as by default, a vector step is one row as it is: the views would cost more than the step)."""
         if args.num_envs == 1:
             return values
         return {k: x.reshape(num_seeds, args.num_envs, *x.shape[1:]).swapaxes(0, 1) for k, x in values.items()}
 
-    # On CUDA, Adam's step counts live on the device (capturable), so the update never syncs.
-    optimizer = Adam(q_params.items(), args.learning_rate, capturable=device.type == "cuda")
+    # On CUDA, optimizers.Adam's step counts live on the device (capturable), so the update never syncs.
+    optimizer = optimizers.Adam(q_params.items(), args.learning_rate, capturable=device.type == "cuda")
     update = make_update(q_networks[0], dict(target_params.items()), optimizer, rb.storage, args.gamma, num_seeds)
     policy = make_policy(q_networks[0], dict(q_params.items()), num_seeds, host=device.type == "cpu")
     # --compile: the update, one graph (on a CPU inductor's C++ wrapper drops the Python glue between
     # kernels); the policy only on CUDA: on a CPU a compiled call costs more than its few tiny ops.
     if args.compile:
-        update = torch.compile(update, options={"guard_filter_fn": value_guards, "cpp_wrapper": device.type == "cpu"})
+        update = torch.compile(update, options={"guard_filter_fn": speed.value_guards, "cpp_wrapper": device.type == "cpu"})
         if device.type == "cuda":
-            policy = torch.compile(policy, options={"guard_filter_fn": value_guards})
+            policy = torch.compile(policy, options={"guard_filter_fn": speed.value_guards})
     if cudagraphs:
         update, policy = CudaGraphModule(update), CudaGraphModule(policy)
     if device.type != "cpu":
-        policy = host_arrays(policy, device)
+        policy = acting.host_arrays(policy, device)
 
     global_step = updates = 0
     metrics, epsilon = None, args.start_e
@@ -320,55 +302,54 @@ def main(args: Args):
     objects = {"q_params": q_params, "target_params": target_params, "optimizer": optimizer, "rb": rb, "envs": envs}
     loop = lambda: (global_step, updates, metrics, epsilon, obs, explore, random_actions, epsilons)
     global_step, updates, metrics, epsilon, obs, explore, random_actions, epsilons = run.resume(objects, loop, device)
-    try:
-        # Gradients come from torch.func inside the update, which this context does not reach.
-        with torch.no_grad():
-            for iteration in run.iterations(global_step // args.num_envs, num_iterations):
-                step = iteration % draw_steps
-                if step == 0:
-                    # Drawn on the host, where the env is: a step where every env explores skips the network.
-                    duration = args.exploration_fraction * args.total_timesteps
-                    block = range(global_step, global_step + args.num_envs * draw_steps, args.num_envs)
-                    epsilons = [linear_schedule(args.start_e, args.end_e, duration, t) for t in block]
-                    draws = draw_exploration(epsilons, num_seeds * args.num_envs, n_act, "cpu")
-                    explore, random_actions = (x.numpy() for x in draws)
-                epsilon, actions = epsilons[step], random_actions[step]
-                if not explore[step].all():
+    # Gradients come from torch.func inside the update, which this context does not reach.
+    with torch.no_grad():
+        for iteration in range(global_step // args.num_envs, num_iterations):
+            if run.checkpoint(iteration):  # a stop signal, or --checkpoint-every: resume.pt
+                break
+            step = iteration % draw_steps
+            if step == 0:
+                # Drawn on the host, where the env is: a step where every env explores skips the network.
+                duration = args.exploration_fraction * args.total_timesteps
+                block = range(global_step, global_step + args.num_envs * draw_steps, args.num_envs)
+                epsilons = [linear_schedule(args.start_e, args.end_e, duration, t) for t in block]
+                draws = draw_exploration(epsilons, num_seeds * args.num_envs, n_act, "cpu")
+                explore, random_actions = (x.numpy() for x in draws)
+            epsilon, actions = epsilons[step], random_actions[step]
+            if not explore[step].all():
+                if cudagraphs:
+                    torch.compiler.cudagraph_mark_step_begin()
+                actions = np.where(explore[step], actions, policy(obs))
+            next_obs, rewards, terminations, truncations, infos = envs.step(actions)
+            global_step += args.num_envs
+            seeds.episodes(runs, global_step, infos, args.num_envs)
+
+            # The done flag is the termination only: a time-limit truncation still bootstraps
+            # from the true last observation (see make_envs for the autoreset).
+            next_obs = next_obs.reshape(num_seeds * args.num_envs, n_obs).astype(np.float32, copy=False)
+            real_next = vector.real_next_obs(next_obs, infos)
+            rb.add(**buffer_rows(obs=obs, next_obs=real_next, actions=actions, rewards=rewards, dones=terminations))
+            obs = next_obs
+
+            if global_step > args.learning_starts:
+                for _ in range(multiples_passed(global_step, args.num_envs, args.train_frequency)):
+                    idx = rb.sample(num_seeds * args.batch_size)
                     if cudagraphs:
                         torch.compiler.cudagraph_mark_step_begin()
-                    actions = np.where(explore[step], actions, policy(obs))
-                next_obs, rewards, terminations, truncations, infos = envs.step(actions)
-                global_step += args.num_envs
-                log_episodes(runs, global_step, infos, args.num_envs)
+                    # The graphed output is overwritten by the next call; only the latest is read.
+                    metrics = update(idx)
+                    updates += 1
+                if multiples_passed(global_step, args.num_envs, args.target_network_frequency):
+                    target_params.lerp_(q_params, args.tau)
 
-                # The done flag is the termination only: a time-limit truncation still bootstraps
-                # from the true last observation (see make_envs for the autoreset).
-                next_obs = next_obs.reshape(num_seeds * args.num_envs, n_obs).astype(np.float32, copy=False)
-                real_next = real_next_obs(next_obs, infos)
-                rb.add(**rows(obs=obs, next_obs=real_next, actions=actions, rewards=rewards, dones=terminations))
-                obs = next_obs
-
-                if global_step > args.learning_starts:
-                    for _ in range(crossings(global_step, args.num_envs, args.train_frequency)):
-                        idx = rb.sample(num_seeds * args.batch_size)
-                        if cudagraphs:
-                            torch.compiler.cudagraph_mark_step_begin()
-                        # The graphed output is overwritten by the next call; only the latest is read.
-                        metrics = update(idx)
-                        updates += 1
-                    if crossings(global_step, args.num_envs, args.target_network_frequency):
-                        target_params.lerp_(q_params, args.tau)
-
-                if crossings(global_step, args.num_envs, LOG_EVERY) or iteration == num_iterations - 1:
-                    # note: the loop's only host sync is here, at the log points
-                    if not log_seeds(runs, global_step, updates, metrics, METRICS, networks, **{"charts/epsilon": epsilon}):
-                        break
-    except KeyboardInterrupt:
-        run.interrupt()
+            if multiples_passed(global_step, args.num_envs, LOG_EVERY) or iteration == num_iterations - 1:
+                # note: the loop's only host sync is here, at the log points
+                if not seeds.log(runs, global_step, updates, metrics, METRICS, networks, **{"charts/epsilon": epsilon}):
+                    break
     envs.close()
     evaluate_seed = lambda nets, seed_args, name: evaluate(nets["q_network"], seed_args, name, device)
-    finish_seeds(runs, global_step, updates, networks, evaluate_seed, device=device.type, cudagraphs=cudagraphs)
+    seeds.finish(runs, global_step, updates, networks, evaluate_seed, device=device.type, cudagraphs=cudagraphs)
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(cli(Args))

@@ -22,14 +22,13 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.optim as optim
-import tyro
 from torch.distributions.categorical import Categorical
 
-from leanrl_utils import Resumable, Run, check_args, check_rollout, envpool_envs, fail
+from leanrl_utils import Run, checks, cli, fail, resume, vector
 
 
 @dataclass
-class Args(Resumable):
+class Args(resume.Flags):
     # common
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
@@ -135,7 +134,7 @@ def evaluate(agent, args, run_name, device):
     `eval_episodes` games. Episodic life stays on, so that envpool presses FIRE after each lost
     life (a greedy policy may never do it); a game that never ends is cut by envpool's own limit
     of 27,000 steps (108,000 frames, 30 minutes of play)."""
-    eval_envs = envpool_envs(args.env_id, 1, args.seed + 10_000, args.capture_video, f"videos/{run_name}-eval")
+    eval_envs = vector.envpool_envs(args.env_id, 1, args.seed + 10_000, args.capture_video, f"videos/{run_name}-eval")
     returns = []
     obs, _ = eval_envs.reset()
     with torch.no_grad():
@@ -148,7 +147,8 @@ def evaluate(agent, args, run_name, device):
 
 
 def main(args: Args):
-    check_args(args, atari=True)
+    resumed = resume.read(args, __file__)
+    checks.flags(args, atari=True)
     batch_size = args.num_envs * args.num_steps
     if args.total_timesteps < batch_size and not (args.total_timesteps == 0 and args.load_model):
         fail(
@@ -167,8 +167,8 @@ def main(args: Args):
             f"use at most {batch_size // 2}, or --no-norm-adv"
         )
     num_iterations = args.total_timesteps // batch_size
-    check_rollout(args, 4 * 84 * 84 + 8 + 6 * 4)  # per step of a game: uint8 frames, int64 action, 6 float32 numbers
-    run = Run(args, num_iterations * batch_size, __file__)
+    checks.rollout(args, 4 * 84 * 84 + 8 + 6 * 4)  # per step of a game: uint8 frames, int64 action, 6 float32 numbers
+    run = Run(args, num_iterations * batch_size, __file__, resumed)
 
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -176,7 +176,7 @@ def main(args: Args):
     torch.backends.cudnn.deterministic = args.torch_deterministic
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
 
-    envs = envpool_envs(args.env_id, args.num_envs, args.seed, args.capture_video, f"videos/{run.name}")
+    envs = vector.envpool_envs(args.env_id, args.num_envs, args.seed, args.capture_video, f"videos/{run.name}")
     obs_shape = envs.single_observation_space.shape
 
     agent = Agent(envs.single_action_space.n, device=device)
@@ -198,146 +198,145 @@ def main(args: Args):
     next_done = torch.zeros(args.num_envs).to(device)
     # envpool's games cannot be saved: a resumed run starts fresh episodes.
     global_step, updates = run.resume({"agent": agent, "optimizer": optimizer}, lambda: (global_step, updates))
-    try:
-        for iteration in run.iterations(global_step // batch_size + 1, num_iterations + 1):
-            if args.anneal_lr:
-                frac = 1.0 - (iteration - 1.0) / num_iterations
-                optimizer.param_groups[0]["lr"] = frac * args.learning_rate
+    for iteration in range(global_step // batch_size + 1, num_iterations + 1):
+        if run.checkpoint(iteration):  # a stop signal, or --checkpoint-every: resume.pt
+            break
+        if args.anneal_lr:
+            frac = 1.0 - (iteration - 1.0) / num_iterations
+            optimizer.param_groups[0]["lr"] = frac * args.learning_rate
 
-            for step in range(0, args.num_steps):
-                global_step += args.num_envs
-                obs[step] = next_obs
-                dones[step] = next_done
+        for step in range(0, args.num_steps):
+            global_step += args.num_envs
+            obs[step] = next_obs
+            dones[step] = next_done
+
+            with torch.no_grad():
+                action, logprob, _, value = agent.get_action_and_value(next_obs)
+                values[step] = value.flatten()
+            actions[step] = action
+            logprobs[step] = logprob
+
+            # envpool autoresets on the NEXT step: the step that ends an episode returns its
+            # last frame, and the following step ignores its action, resets that env and
+            # returns reward 0 with the first frame of the next episode. So dones[t] = 1
+            # marks a reset step t, which the losses below leave out (see `valid`).
+            next_obs, reward, terminations, truncations, infos = envs.step(action.cpu().numpy())
+            next_done = np.logical_or(terminations, truncations)
+            rewards[step] = torch.tensor(reward).to(device).view(-1)
+            next_obs, next_done = torch.as_tensor(next_obs).to(device), torch.Tensor(next_done).to(device)
+            run.episodes(global_step, infos)
+
+        # bootstrap value if not done
+        with torch.no_grad():
+            next_value = agent.get_value(next_obs).reshape(1, -1)
+            advantages = torch.zeros_like(rewards).to(device)
+            lastgaelam = 0
+            for t in reversed(range(args.num_steps)):
+                if t == args.num_steps - 1:
+                    nextnonterminal = 1.0 - next_done
+                    nextvalues = next_value
+                else:
+                    nextnonterminal = 1.0 - dones[t + 1]
+                    nextvalues = values[t + 1]
+                delta = rewards[t] + args.gamma * nextvalues * nextnonterminal - values[t]
+                advantages[t] = lastgaelam = delta + args.gamma * args.gae_lambda * nextnonterminal * lastgaelam
+            returns = advantages + values
+
+        b_obs = obs.reshape((-1,) + obs_shape)
+        b_logprobs = logprobs.reshape(-1)
+        b_actions = actions.reshape(-1)
+        b_advantages = advantages.reshape(-1)
+        b_returns = returns.reshape(-1)
+        b_values = values.reshape(-1)
+        # A reset step is no transition of the game (its action did nothing, its frame is the
+        # previous episode's last): every mean in the losses runs over the other steps only.
+        # GAE already stops at the done before it, so its garbage flows nowhere else.
+        b_valid = 1.0 - dones.reshape(-1)
+
+        b_inds = np.arange(batch_size)
+        clipfracs = []
+        for epoch in range(args.update_epochs):
+            np.random.shuffle(b_inds)
+            for start in range(0, batch_size, minibatch_size):
+                end = start + minibatch_size
+                mb_inds = b_inds[start:end]
+                mb_valid = b_valid[mb_inds]
+                n_valid = mb_valid.sum().clamp(min=1)
+
+                _, newlogprob, entropy, newvalue = agent.get_action_and_value(b_obs[mb_inds], b_actions[mb_inds])
+                logratio = newlogprob - b_logprobs[mb_inds]
+                ratio = logratio.exp()
 
                 with torch.no_grad():
-                    action, logprob, _, value = agent.get_action_and_value(next_obs)
-                    values[step] = value.flatten()
-                actions[step] = action
-                logprobs[step] = logprob
+                    # calculate approx_kl http://joschu.net/blog/kl-approx.html
+                    old_approx_kl = (-logratio * mb_valid).sum() / n_valid
+                    approx_kl = (((ratio - 1) - logratio) * mb_valid).sum() / n_valid
+                    clipfracs += [((((ratio - 1.0).abs() > args.clip_coef).float() * mb_valid).sum() / n_valid).item()]
 
-                # envpool autoresets on the NEXT step: the step that ends an episode returns its
-                # last frame, and the following step ignores its action, resets that env and
-                # returns reward 0 with the first frame of the next episode. So dones[t] = 1
-                # marks a reset step t, which the losses below leave out (see `valid`).
-                next_obs, reward, terminations, truncations, infos = envs.step(action.cpu().numpy())
-                next_done = np.logical_or(terminations, truncations)
-                rewards[step] = torch.tensor(reward).to(device).view(-1)
-                next_obs, next_done = torch.as_tensor(next_obs).to(device), torch.Tensor(next_done).to(device)
-                run.episodes(global_step, infos)
+                mb_advantages = b_advantages[mb_inds]
+                if args.norm_adv:
+                    adv_mean = (mb_advantages * mb_valid).sum() / n_valid
+                    adv_std = (((mb_advantages - adv_mean) ** 2 * mb_valid).sum() / (n_valid - 1).clamp(min=1)).sqrt()
+                    mb_advantages = (mb_advantages - adv_mean) / (adv_std + 1e-8)
 
-            # bootstrap value if not done
-            with torch.no_grad():
-                next_value = agent.get_value(next_obs).reshape(1, -1)
-                advantages = torch.zeros_like(rewards).to(device)
-                lastgaelam = 0
-                for t in reversed(range(args.num_steps)):
-                    if t == args.num_steps - 1:
-                        nextnonterminal = 1.0 - next_done
-                        nextvalues = next_value
-                    else:
-                        nextnonterminal = 1.0 - dones[t + 1]
-                        nextvalues = values[t + 1]
-                    delta = rewards[t] + args.gamma * nextvalues * nextnonterminal - values[t]
-                    advantages[t] = lastgaelam = delta + args.gamma * args.gae_lambda * nextnonterminal * lastgaelam
-                returns = advantages + values
+                # Policy loss
+                pg_loss1 = -mb_advantages * ratio
+                pg_loss2 = -mb_advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
+                pg_loss = (torch.max(pg_loss1, pg_loss2) * mb_valid).sum() / n_valid
 
-            b_obs = obs.reshape((-1,) + obs_shape)
-            b_logprobs = logprobs.reshape(-1)
-            b_actions = actions.reshape(-1)
-            b_advantages = advantages.reshape(-1)
-            b_returns = returns.reshape(-1)
-            b_values = values.reshape(-1)
-            # A reset step is no transition of the game (its action did nothing, its frame is the
-            # previous episode's last): every mean in the losses runs over the other steps only.
-            # GAE already stops at the done before it, so its garbage flows nowhere else.
-            b_valid = 1.0 - dones.reshape(-1)
+                # Value loss
+                newvalue = newvalue.view(-1)
+                if args.clip_vloss:
+                    v_loss_unclipped = (newvalue - b_returns[mb_inds]) ** 2
+                    v_clipped = b_values[mb_inds] + torch.clamp(
+                        newvalue - b_values[mb_inds],
+                        -args.clip_coef,
+                        args.clip_coef,
+                    )
+                    v_loss_clipped = (v_clipped - b_returns[mb_inds]) ** 2
+                    v_loss_max = torch.max(v_loss_unclipped, v_loss_clipped)
+                    v_loss = 0.5 * (v_loss_max * mb_valid).sum() / n_valid
+                else:
+                    v_loss = 0.5 * ((newvalue - b_returns[mb_inds]) ** 2 * mb_valid).sum() / n_valid
 
-            b_inds = np.arange(batch_size)
-            clipfracs = []
-            for epoch in range(args.update_epochs):
-                np.random.shuffle(b_inds)
-                for start in range(0, batch_size, minibatch_size):
-                    end = start + minibatch_size
-                    mb_inds = b_inds[start:end]
-                    mb_valid = b_valid[mb_inds]
-                    n_valid = mb_valid.sum().clamp(min=1)
+                entropy_loss = (entropy * mb_valid).sum() / n_valid
+                loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
 
-                    _, newlogprob, entropy, newvalue = agent.get_action_and_value(b_obs[mb_inds], b_actions[mb_inds])
-                    logratio = newlogprob - b_logprobs[mb_inds]
-                    ratio = logratio.exp()
+                optimizer.zero_grad()
+                loss.backward()
+                nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+                optimizer.step()
+                updates += 1
 
-                    with torch.no_grad():
-                        # calculate approx_kl http://joschu.net/blog/kl-approx.html
-                        old_approx_kl = (-logratio * mb_valid).sum() / n_valid
-                        approx_kl = (((ratio - 1) - logratio) * mb_valid).sum() / n_valid
-                        clipfracs += [((((ratio - 1.0).abs() > args.clip_coef).float() * mb_valid).sum() / n_valid).item()]
-
-                    mb_advantages = b_advantages[mb_inds]
-                    if args.norm_adv:
-                        adv_mean = (mb_advantages * mb_valid).sum() / n_valid
-                        adv_std = (((mb_advantages - adv_mean) ** 2 * mb_valid).sum() / (n_valid - 1).clamp(min=1)).sqrt()
-                        mb_advantages = (mb_advantages - adv_mean) / (adv_std + 1e-8)
-
-                    # Policy loss
-                    pg_loss1 = -mb_advantages * ratio
-                    pg_loss2 = -mb_advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
-                    pg_loss = (torch.max(pg_loss1, pg_loss2) * mb_valid).sum() / n_valid
-
-                    # Value loss
-                    newvalue = newvalue.view(-1)
-                    if args.clip_vloss:
-                        v_loss_unclipped = (newvalue - b_returns[mb_inds]) ** 2
-                        v_clipped = b_values[mb_inds] + torch.clamp(
-                            newvalue - b_values[mb_inds],
-                            -args.clip_coef,
-                            args.clip_coef,
-                        )
-                        v_loss_clipped = (v_clipped - b_returns[mb_inds]) ** 2
-                        v_loss_max = torch.max(v_loss_unclipped, v_loss_clipped)
-                        v_loss = 0.5 * (v_loss_max * mb_valid).sum() / n_valid
-                    else:
-                        v_loss = 0.5 * ((newvalue - b_returns[mb_inds]) ** 2 * mb_valid).sum() / n_valid
-
-                    entropy_loss = (entropy * mb_valid).sum() / n_valid
-                    loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
-
-                    optimizer.zero_grad()
-                    loss.backward()
-                    nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-                    optimizer.step()
-                    updates += 1
-
-                if args.target_kl is not None and approx_kl > args.target_kl:
-                    break
-
-            # As CleanRL: the last minibatch's losses, clipfrac over all minibatches.
-            losses = {
-                "losses/value_loss": v_loss.item(),
-                "losses/policy_loss": pg_loss.item(),
-                "losses/entropy": entropy_loss.item(),
-                "losses/old_approx_kl": old_approx_kl.item(),
-                "losses/approx_kl": approx_kl.item(),
-                "losses/clipfrac": np.mean(clipfracs),
-            }
-            bad = next((k for k, v in losses.items() if not math.isfinite(v)), None)
-            if bad:
-                run.stop_reason = f"non-finite {bad[len('losses/') :]} {losses[bad]} at step {global_step}"
+            if args.target_kl is not None and approx_kl > args.target_kl:
                 break
-            valid = b_valid.bool()
-            y_pred, y_true = b_values[valid].cpu().numpy(), b_returns[valid].cpu().numpy()
-            var_y = np.var(y_true)
-            explained_var = np.nan if var_y == 0 else 1 - np.var(y_true - y_pred) / var_y
-            metrics = {
-                "charts/learning_rate": optimizer.param_groups[0]["lr"],
-                **losses,
-                "losses/explained_variance": explained_var,
-            }
-            run.log(global_step, updates, metrics, {"agent": agent})
-    except KeyboardInterrupt:
-        run.interrupt()
+
+        # As CleanRL: the last minibatch's losses, clipfrac over all minibatches.
+        losses = {
+            "losses/value_loss": v_loss.item(),
+            "losses/policy_loss": pg_loss.item(),
+            "losses/entropy": entropy_loss.item(),
+            "losses/old_approx_kl": old_approx_kl.item(),
+            "losses/approx_kl": approx_kl.item(),
+            "losses/clipfrac": np.mean(clipfracs),
+        }
+        bad = next((k for k, v in losses.items() if not math.isfinite(v)), None)
+        if bad:
+            run.stop_reason = f"non-finite {bad[len('losses/') :]} {losses[bad]} at step {global_step}"
+            break
+        valid = b_valid.bool()
+        y_pred, y_true = b_values[valid].cpu().numpy(), b_returns[valid].cpu().numpy()
+        var_y = np.var(y_true)
+        explained_var = np.nan if var_y == 0 else 1 - np.var(y_true - y_pred) / var_y
+        metrics = {
+            "charts/learning_rate": optimizer.param_groups[0]["lr"],
+            **losses,
+            "losses/explained_variance": explained_var,
+        }
+        run.log(global_step, updates, metrics, {"agent": agent})
     envs.close()
     run.finish(global_step, updates, {"agent": agent}, lambda: evaluate(agent, args, run.name, device), device=device.type)
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(cli(Args))

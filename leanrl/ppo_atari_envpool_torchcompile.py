@@ -8,7 +8,7 @@ frames stacked by 4, frame skip 4, up to 30 no-ops and FIRE at reset, episodic l
 rewards for learning; the reported returns are whole games, unclipped. It learns as the plain
 script `ppo_atari_envpool.py` does; what changes is where the time goes: acting runs on a
 detached view of the weights without autograd, and the minibatch step (gather, forward,
-backward, clipping, Adam) is one function that compiles to one graph.
+backward, clipping, optimizers.Adam) is one function that compiles to one graph.
 
     python leanrl/ppo_atari_envpool_torchcompile.py
     python leanrl/ppo_atari_envpool_torchcompile.py --compile
@@ -33,35 +33,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import tyro
 from tensordict.nn import CudaGraphModule
 
-from leanrl_utils import (
-    Adam,
-    Resumable,
-    all_reduce_mean,
-    broadcast_parameters,
-    check_args,
-    check_rollout,
-    envpool_envs,
-    error_line,
-    fail,
-    finish_distributed,
-    finish_seeds,
-    gather_episodes,
-    init_distributed,
-    log_episodes,
-    log_seeds,
-    seed_runs,
-    seeds_forward,
-    speed_toggles,
-    stack_seeds,
-    value_guards,
-)
+from leanrl_utils import checks, cli, fail, optimizers, resume, seeds, speed, torchrun, vector
 
 
 @dataclass
-class Args(Resumable):
+class Args(resume.Flags):
     # common
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
@@ -170,9 +148,9 @@ class Agent(nn.Module):
 def make_policy(agent, params, num_seeds):
     """Acting: for frames [seeds * envs, 4, 84, 84] (seed k's envs in block k), one forward of each
     seed's trunk and both heads with its own weights, without autograd. `params`: the agents'
-    parameters stacked on a leading seed dimension (`stack_seeds`), read through `agent`'s
-    structure (`seeds_forward`: vmapped over stacked seeds; one seed runs the module itself)."""
-    forward = seeds_forward(agent)
+    parameters stacked on a leading seed dimension (`seeds.stack`), read through `agent`'s
+    structure (`seeds.forward`: vmapped over stacked seeds; one seed runs the module itself)."""
+    forward = seeds.forward(agent)
 
     def policy(obs):
         logits, value = (x.flatten(0, 1) for x in forward(params, obs.view(num_seeds, -1, *obs.shape[1:])))
@@ -211,7 +189,7 @@ def make_gae(gamma, gae_lambda):
 
 def make_update(agent, optimizer, args, world_size=1, num_seeds=None):
     """One minibatch step on the rows `idx` of the rollout: the gather and the uint8-to-float
-    division, forward, backward (torch.func), `clip_grad_norm_`'s arithmetic and `Adam`, one
+    division, forward, backward (torch.func), `clip_grad_norm_`'s arithmetic and `optimizers.Adam`, one
     function that compiles to one graph (`fullgraph=True`; with `loss.backward()` and
     `optim.Adam.step()` it broke into several, dynamo tracing neither). Returns METRICS on the
     device. `valid` is 0 at envpool's reset steps (see the rollout in `main`): every mean runs
@@ -222,7 +200,7 @@ def make_update(agent, optimizer, args, world_size=1, num_seeds=None):
     non-finite checks (each rank's minibatch weighs alike, whatever its count of reset steps;
     advantages normalized per rank, as CleanRL's multi-GPU PPO). `num_seeds`: stacked seeds
     [seeds, ...] (parameters, rollout, `idx`, metrics), the gradient and its clipping vmapped, a
-    stack of one the agent's own ops (as `seeds_forward`); None: one agent, unstacked."""
+    stack of one the agent's own ops (as `seeds.forward`); None: one agent, unstacked."""
     clip_coef, ent_coef, vf_coef = args.clip_coef, args.ent_coef, args.vf_coef
 
     def loss_fn(params, mb_obs, mb_actions, mb_logprobs, mb_advantages, mb_returns, mb_values, mb_valid):
@@ -267,7 +245,7 @@ def make_update(agent, optimizer, args, world_size=1, num_seeds=None):
         minibatch = (obs[idx], actions[idx], logprobs[idx], advantages[idx], returns[idx], values[idx], valid[idx])
         grads, metrics = grad_fn(params, *minibatch)
         if world_size > 1:
-            grads, metrics = all_reduce_mean(grads, metrics, world_size)
+            grads, metrics = torchrun.all_reduce_mean(grads, metrics, world_size)
         # nn.utils.clip_grad_norm_
         grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
         clip = (args.max_grad_norm / (grad_norm + 1e-6)).clamp(max=1.0)
@@ -311,7 +289,7 @@ def evaluate(agent, args, run_name, device):
     `eval_episodes` games. Episodic life stays on, so that envpool presses FIRE after each lost
     life (a greedy policy may never do it); a game that never ends is cut by envpool's own limit
     of 27,000 steps (108,000 frames, 30 minutes of play)."""
-    eval_envs = envpool_envs(args.env_id, 1, args.seed + 10_000, args.capture_video, f"videos/{run_name}-eval")
+    eval_envs = vector.envpool_envs(args.env_id, 1, args.seed + 10_000, args.capture_video, f"videos/{run_name}-eval")
     returns = []
     obs, _ = eval_envs.reset()
     with torch.no_grad():
@@ -324,9 +302,10 @@ def evaluate(agent, args, run_name, device):
 
 
 def main(args: Args):
-    check_args(args, atari=True)
-    rank, world_size, device = init_distributed(args)
-    _, cudagraphs = speed_toggles(args, rank)
+    resumed = resume.read(args, __file__)
+    checks.flags(args, atari=True)
+    rank, world_size, device = torchrun.init(args)
+    _, cudagraphs = speed.setup(args, rank)
     # --num-envs is per rank: a batch is num_envs * num_steps per rank, all ranks' together per update.
     batch_size = args.num_envs * args.num_steps
     global_batch = batch_size * world_size
@@ -358,12 +337,12 @@ def main(args: Args):
             )
     # One line before num_seeds x num_envs games are made: per step and sub-env the uint8
     # frames and ten 4-byte numbers, in the rollout and again in the seed-major batch; per
-    # seed 4 copies of its weights (with gradients and Adam's moments) and a minibatch's
+    # seed 4 copies of its weights (with gradients and optimizers.Adam's moments) and a minibatch's
     # activations (72k floats a frame) and their gradients; up to 2 MiB per game.
     weights = sum(p.numel() for p in Agent(18, device="meta").parameters())
     seed_bytes = 4 * 4 * weights + minibatch_size * 2 * 4 * 72_000
-    check_rollout(args, 2 * (4 * 84 * 84 + 4 * 10), device, per_env=2**21, per_seed=seed_bytes)
-    runs = seed_runs(args, num_iterations * global_batch, __file__, rank=rank)
+    checks.rollout(args, 2 * (4 * 84 * 84 + 4 * 10), device, per_env=2**21, per_seed=seed_bytes)
+    runs = seeds.runs(args, num_iterations * global_batch, __file__, resumed, rank=rank)
     run = runs[0]
 
     # Each rank its own random streams (envs, exploration noise, minibatch order); the initial
@@ -390,7 +369,7 @@ def main(args: Args):
     # that env gets seed + k * num_envs + i, not the seed + i of a single run of seed + k: the
     # seeds are independent streams, not bit-identical to single runs.
     num_envs = num_seeds * args.num_envs
-    envs = envpool_envs(args.env_id, num_envs, args.seed + rank, args.capture_video and rank == 0, f"videos/{run.name}")
+    envs = vector.envpool_envs(args.env_id, num_envs, args.seed + rank, args.capture_video and rank == 0, f"videos/{run.name}")
     n_act = envs.single_action_space.n
 
     agents = [Agent(n_act, device=device)]
@@ -400,27 +379,27 @@ def main(args: Args):
     for agent in agents if args.load_model else []:
         run.load({"agent": agent})
     if world_size > 1:
-        broadcast_parameters(agents[0].parameters())
+        torchrun.broadcast(agents[0].parameters())
     # Acting and the update read the same stacked, detached parameters (the agents hold views of
     # them): no autograd bookkeeping per step, and every optimizer step is seen at once.
-    params = stack_seeds(agents)
+    params = seeds.stack(agents)
     seed_networks = [{"agent": agent} for agent in agents]
     # The learning rate is a tensor annealed in place, so annealing never recompiles the update.
-    # Eager updates step Adam with the fused kernel; a compiled update traces its per-tensor form.
-    # On CUDA, Adam's step counts live on the device (capturable), so a step never syncs.
+    # Eager updates step optimizers.Adam with the fused kernel; a compiled update traces its per-tensor form.
+    # On CUDA, optimizers.Adam's step counts live on the device (capturable), so a step never syncs.
     lr = torch.tensor(args.learning_rate, device=device)
-    optimizer = Adam(params.items(), lr, eps=1e-5, fused=not args.compile, capturable=device.type == "cuda")
+    optimizer = optimizers.Adam(params.items(), lr, eps=1e-5, fused=not args.compile, capturable=device.type == "cuda")
 
     policy = make_policy(agents[0], dict(params.items()), num_seeds)
     gae = make_gae(args.gamma, args.gae_lambda)
     update = make_update(agents[0], optimizer, args, world_size, num_seeds)
-    # --compile: the update on every device (its pointwise ops, clipping and Adam fuse around the
+    # --compile: the update on every device (its pointwise ops, clipping and optimizers.Adam fuse around the
     # convolutions); the policy only on CUDA, where launches dominate: on a CPU its convolutions
     # are the same either way. GAE stays eager: compiling its sequential loop would unroll it.
     if args.compile:
-        update = torch.compile(update, fullgraph=True, options={"guard_filter_fn": value_guards})
+        update = torch.compile(update, fullgraph=True, options={"guard_filter_fn": speed.value_guards})
         if device.type == "cuda":
-            policy = torch.compile(policy, options={"guard_filter_fn": value_guards})
+            policy = torch.compile(policy, options={"guard_filter_fn": speed.value_guards})
     if cudagraphs:
         update = CudaGraphModule(update)
         policy = CudaGraphModule(policy)
@@ -430,7 +409,7 @@ def main(args: Args):
     # Stacked seeds keep theirs: vmap runs their convolutions as grouped ones on its own copy.
     channels_last = device.type == "cpu" and num_seeds == 1
 
-    def seeds_first(x):
+    def by_seed(x):
         """A rollout [num_steps, num_seeds * num_envs, ...] as a batch [num_seeds, batch_size, ...]."""
         return x.unflatten(1, (num_seeds, args.num_envs)).transpose(0, 1).reshape(num_seeds, batch_size, *x.shape[2:])
 
@@ -442,7 +421,9 @@ def main(args: Args):
     # envpool's games cannot be saved: a resumed run starts fresh episodes.
     global_step, updates = run.resume({"params": params, "optimizer": optimizer}, lambda: (global_step, updates))
     try:
-        for iteration in run.iterations(global_step // global_batch + 1, num_iterations + 1):
+        for iteration in range(global_step // global_batch + 1, num_iterations + 1):
+            if run.checkpoint(iteration):  # a stop signal, or --checkpoint-every: resume.pt
+                break
             lr_now = args.learning_rate
             if args.anneal_lr:
                 lr_now = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
@@ -472,9 +453,9 @@ def main(args: Args):
                     next_obs = torch.as_tensor(next_obs_np, device=device)
                     next_done = torch.as_tensor(np.logical_or(terminations, truncations), device=device, dtype=torch.float)
                     if world_size > 1:
-                        finished += run.finished(global_step, infos)
+                        finished += vector.ended_episodes(global_step, infos)
                     else:
-                        log_episodes(runs, global_step, infos, args.num_envs)
+                        seeds.episodes(runs, global_step, infos, args.num_envs)
 
                 obs_b = torch.stack(obs_list)
                 valid = 1.0 - torch.stack(done_list)
@@ -487,14 +468,14 @@ def main(args: Args):
                 advantages, returns = gae(rewards, values, dones, next_value)
 
             if world_size > 1:
-                for step, r, n in gather_episodes(finished, rank, world_size):
+                for step, r, n in torchrun.gather_episodes(finished, rank, world_size):
                     run.record(step, r, n)
 
-            frames = seeds_first(obs_b)
+            frames = by_seed(obs_b)
             if channels_last:
                 frames = frames.flatten(0, 1).contiguous(memory_format=torch.channels_last).unflatten(0, frames.shape[:2])
             act_b, logprob_b = torch.stack(act_list), torch.stack(logprob_list)
-            batch = (frames, *(seeds_first(x) for x in (act_b, logprob_b, advantages, returns, values, valid)))
+            batch = (frames, *(by_seed(x) for x in (act_b, logprob_b, advantages, returns, values, valid)))
             clipfrac_sum = torch.zeros(num_seeds, device=device)
             for epoch in range(args.update_epochs):
                 # Each seed its own minibatch order.
@@ -515,10 +496,8 @@ def main(args: Args):
             stats = torch.cat([metrics[:, :CLIPFRAC], clipfrac[:, None], explained_var[:, None]], 1).T
             # note: the loop's only host sync is here, once per iteration
             charts = {"charts/learning_rate": lr_now}
-            if not log_seeds(runs, global_step, updates, stats, STATS, seed_networks, **charts):
+            if not seeds.log(runs, global_step, updates, stats, STATS, seed_networks, **charts):
                 break
-    except KeyboardInterrupt:
-        run.interrupt()
     except RuntimeError as e:  # gloo's and nccl's errors (dist.DistError among them)
         if world_size == 1:
             raise
@@ -527,11 +506,11 @@ def main(args: Args):
         lost = True
         run.stop_reason = (
             f"rank {rank} stopped at step {global_step}: "
-            f"another rank is gone or was silent for --dist-timeout ({error_line(e)})"
+            f"another rank is gone or was silent for --dist-timeout ({torchrun.error_line(e)})"
         )
     envs.close()
-    fields = finish_distributed(run, params.values(), world_size, lost) if world_size > 1 else {}
-    finish_seeds(
+    fields = torchrun.leave(run, params.values(), world_size, lost) if world_size > 1 else {}
+    seeds.finish(
         runs, global_step, updates, seed_networks,
         lambda nets, seed_args, name: evaluate(nets["agent"], seed_args, name, device),
         device=device.type, cudagraphs=cudagraphs, world_size=world_size, batch_size=global_batch, **fields,
@@ -539,4 +518,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(cli(Args))

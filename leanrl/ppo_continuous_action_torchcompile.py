@@ -28,37 +28,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import tyro
 from tensordict.nn import CudaGraphModule
 
-from leanrl_utils import (
-    Adam,
-    Resumable,
-    SameStepEnvs,
-    all_reduce_mean,
-    broadcast_parameters,
-    check_args,
-    check_rollout,
-    env_sizes,
-    error_line,
-    fail,
-    finish_distributed,
-    finish_seeds,
-    gather_episodes,
-    init_distributed,
-    log_episodes,
-    log_seeds,
-    numpy_forward,
-    seed_runs,
-    seeds_forward,
-    speed_toggles,
-    stack_seeds,
-    value_guards,
-)
+from leanrl_utils import acting, checks, cli, fail, optimizers, resume, seeds, speed, torchrun, vector
 
 
 @dataclass
-class Args(Resumable):
+class Args(resume.Flags):
     # common
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
@@ -139,6 +115,12 @@ class Args(Resumable):
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
+def normal_logprob(z, logstd):
+    """The log-density of a diagonal Gaussian at z = (x - mean) / std, summed over the action's
+    dimensions: Normal(mean, std).log_prob(x).sum(-1), for torch tensors and numpy arrays alike."""
+    return (-0.5 * z**2 - logstd - LOG_SQRT_2PI).sum(-1)
+
+
 def make_env(env_id, idx, capture_video, run_name):
     def thunk():
         if capture_video and idx == 0:
@@ -189,18 +171,18 @@ class Agent(nn.Module):
 
 def make_update(agent, optimizer, args, world_size=1, num_seeds=None):
     """One minibatch step on the rows `idx` of the rollout: gather, forward, backward (torch.func),
-    `clip_grad_norm_`'s arithmetic and `Adam`, one function that compiles to one graph (with
+    `clip_grad_norm_`'s arithmetic and `optimizers.Adam`, one function that compiles to one graph (with
     `loss.backward()` and `optim.Adam.step()` it broke into three). Returns METRICS on the device.
     `world_size` > 1 (torchrun): gradients and metrics averaged over the ranks by one `all_reduce`
     in the graph (advantages normalized per rank, as CleanRL's multi-GPU PPO). `num_seeds`: stacked
     seeds [seeds, ...] (parameters, rollout, `idx`, metrics), the gradient and its clipping vmapped,
-    a stack of one the agent's own ops (as `seeds_forward`); None: one agent, unstacked."""
+    a stack of one the agent's own ops (as `seeds.forward`); None: one agent, unstacked."""
     clip_coef, ent_coef, vf_coef = args.clip_coef, args.ent_coef, args.vf_coef
     norm_adv, clip_vloss, max_grad_norm = args.norm_adv, args.clip_vloss, args.max_grad_norm
 
     def loss_fn(params, mb_obs, mb_actions, mb_logprobs, mb_advantages, mb_returns, mb_values):
         action_mean, logstd, newvalue = torch.func.functional_call(agent, params, (mb_obs,))
-        newlogprob = (-0.5 * ((mb_actions - action_mean) / logstd.exp()).pow(2) - logstd - LOG_SQRT_2PI).sum(1)
+        newlogprob = normal_logprob((mb_actions - action_mean) / logstd.exp(), logstd)
         entropy = (0.5 + LOG_SQRT_2PI + logstd).sum(1)
 
         logratio = newlogprob - mb_logprobs
@@ -236,7 +218,7 @@ def make_update(agent, optimizer, args, world_size=1, num_seeds=None):
         minibatch = (obs[idx], actions[idx], logprobs[idx], advantages[idx], returns[idx], values[idx])
         grads, metrics = grad_fn(params, *minibatch)
         if world_size > 1:
-            grads, metrics = all_reduce_mean(grads, metrics, world_size)
+            grads, metrics = torchrun.all_reduce_mean(grads, metrics, world_size)
         # nn.utils.clip_grad_norm_
         grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
         clip = (max_grad_norm / (grad_norm + 1e-6)).clamp(max=1.0)
@@ -284,29 +266,27 @@ def make_gae(gamma, gae_lambda):
 def make_policy(agent, params, num_seeds, host, seed=0):
     """Acting on observations [seeds * envs, n_obs] (seed k's envs in block k): each seed's actor and
     critic (`params` stacked), a Gaussian action and its log-probability. Derived from `agent`: `host`
-    (a CPU), numpy (`numpy_forward`, noise from a generator seeded with `seed`), where an op on a few
-    numbers costs less than a torch op; else torch (`seeds_forward`), which CUDA compiles and graphs."""
+    (a CPU), numpy (`acting.numpy_forward`, noise from a generator seeded with `seed`), where an op on a few
+    numbers costs less than a torch op; else torch (`seeds.forward`), which CUDA compiles and graphs."""
     if host:
-        actor, critic = numpy_forward(agent.actor_mean, params, "actor_mean."), numpy_forward(agent.critic, params, "critic.")
-        logstd, rng = params["actor_logstd"].numpy(), np.random.default_rng(seed)
+        forward, rng = acting.numpy_forward(agent, params), np.random.default_rng(seed)
 
         def host_policy(obs):
-            x = obs.numpy().reshape(num_seeds, -1, obs.shape[-1])
-            action_mean = actor(x)
+            action_mean, logstd, value = forward(obs.numpy().reshape(num_seeds, -1, obs.shape[-1]))
             noise = rng.standard_normal(action_mean.shape, dtype=np.float32)
-            logprob = (-0.5 * np.square(noise) - logstd - LOG_SQRT_2PI).sum(2)
+            logprob = normal_logprob(noise, logstd)
             action = (action_mean + np.exp(logstd) * noise).reshape(-1, action_mean.shape[-1])
-            return torch.from_numpy(action), torch.from_numpy(logprob.ravel()), torch.from_numpy(critic(x).ravel())
+            return torch.from_numpy(action), torch.from_numpy(logprob.ravel()), torch.from_numpy(value.ravel())
 
         return host_policy
 
-    forward = seeds_forward(agent)
+    forward = seeds.forward(agent)
 
     def policy(obs):
         action_mean, logstd, value = (x.flatten(0, 1) for x in forward(params, obs.view(num_seeds, -1, obs.shape[-1])))
         noise = torch.randn_like(action_mean)
         action = action_mean + logstd.exp() * noise
-        logprob = (-0.5 * noise.pow(2) - logstd - LOG_SQRT_2PI).sum(1)
+        logprob = normal_logprob(noise, logstd)
         return action, logprob, value
 
     return policy
@@ -323,7 +303,7 @@ def make_envs(args, run_name, num_envs, capture_video=False):
     try:
         # SAME_STEP autoreset: every stored step is a real transition, and GAE cuts the bootstrap
         # at `done` exactly as in the gym 0.26 loop CleanRL was written for.
-        envs = SameStepEnvs(thunks)
+        envs = vector.SameStepEnvs(thunks)
     except gym.error.DependencyNotInstalled as e:
         fail(f"{args.env_id} needs a missing dependency ({e}): for MuJoCo envs, pip install 'leanrl[mujoco]'")
     return envs
@@ -421,9 +401,10 @@ def evaluate(agent, normalization, args, run_name, device):
 
 
 def main(args: Args):
-    check_args(args)
-    rank, world_size, device = init_distributed(args)
-    _, cudagraphs = speed_toggles(args, rank)
+    resumed = resume.read(args, __file__)
+    checks.flags(args)
+    rank, world_size, device = torchrun.init(args)
+    _, cudagraphs = speed.setup(args, rank)
     if cudagraphs and world_size > 1 and dist.get_backend() != "nccl":
         # gloo runs its collectives on the host, where a CUDA graph cannot capture them.
         cudagraphs = False
@@ -456,8 +437,8 @@ def main(args: Args):
         if args.target_kl is not None:
             fail("--target-kl stops each seed at another epoch, which one stacked update cannot: drop it or use --num-seeds 1")
     # One line before the envs are made: 4 bytes for each obs, action and 6 scalars per step, 1 MiB per sub-env.
-    check_rollout(args, 4 * (sum(env_sizes(args.env_id)) + 6), device, per_env=2**20)
-    runs = seed_runs(args, num_iterations * global_batch, __file__, rank=rank)
+    checks.rollout(args, 4 * (sum(vector.env_sizes(args.env_id)) + 6), device, per_env=2**20)
+    runs = seeds.runs(args, num_iterations * global_batch, __file__, resumed, rank=rank)
     run = runs[0]
 
     # Each rank its own random streams (envs, noise, minibatch order); the weights are rank 0's.
@@ -479,34 +460,34 @@ def main(args: Args):
     if args.load_model:
         run.load({"agent": agent, "obs_rms": normalization})
     if world_size > 1:
-        broadcast_parameters(agent.parameters())
+        torchrun.broadcast(agent.parameters())
     agents = [agent]
     for k in range(1, num_seeds):
         torch.manual_seed(args.seed + k)  # seed k starts from the weights a single run of seed + k starts from
         agents.append(Agent(n_obs, n_act, device=device))
         if args.load_model:
             run.load({"agent": agents[k]})
-    params = stack_seeds(agents)
+    params = seeds.stack(agents)
     seed_networks = [{"agent": a, "obs_rms": normalization.seed(k, args.num_envs)} for k, a in enumerate(agents)]
 
     # The learning rate is a tensor annealed in place, so annealing never recompiles the update.
-    # Eager updates step Adam with the fused kernel; a compiled update traces its per-tensor form.
+    # Eager updates step optimizers.Adam with the fused kernel; a compiled update traces its per-tensor form.
     lr = torch.tensor(args.learning_rate, device=device)
-    optimizer = Adam(params.items(), lr, eps=1e-5, fused=not args.compile, capturable=device.type == "cuda")
+    optimizer = optimizers.Adam(params.items(), lr, eps=1e-5, fused=not args.compile, capturable=device.type == "cuda")
     policy = make_policy(agent, dict(params.items()), num_seeds, device.type == "cpu", seed=args.seed + rank)
     gae = make_gae(args.gamma, args.gae_lambda)
     update = make_update(agent, optimizer, args, world_size, num_seeds)
     # --compile: the update everywhere; the policy off a CPU (numpy acts there); GAE stays eager,
     # as compiling its sequential loop would unroll num_steps steps into one graph.
     if args.compile:
-        update = torch.compile(update, fullgraph=True, options={"guard_filter_fn": value_guards})
+        update = torch.compile(update, fullgraph=True, options={"guard_filter_fn": speed.value_guards})
         if device.type != "cpu":
-            policy = torch.compile(policy, options={"guard_filter_fn": value_guards})
+            policy = torch.compile(policy, options={"guard_filter_fn": speed.value_guards})
     if cudagraphs:
         update, policy = CudaGraphModule(update), CudaGraphModule(policy)
 
     # A rollout [num_steps, seeds * envs, ...] as a batch per seed [seeds, batch_size, ...].
-    seeds_first = lambda x: x.unflatten(1, (num_seeds, -1)).transpose(0, 1).reshape(num_seeds, batch_size, *x.shape[2:])
+    by_seed = lambda x: x.unflatten(1, (num_seeds, -1)).transpose(0, 1).reshape(num_seeds, batch_size, *x.shape[2:])
 
     global_step = updates = 0
     # Env i of seed k gets the env seed a single run of seed + k gives it.
@@ -518,7 +499,9 @@ def main(args: Args):
     loop = lambda: (global_step, updates, next_obs, next_done)
     global_step, updates, next_obs, next_done = run.resume(objects, loop, device)
     try:
-        for iteration in run.iterations(global_step // global_batch + 1, num_iterations + 1):
+        for iteration in range(global_step // global_batch + 1, num_iterations + 1):
+            if run.checkpoint(iteration):  # a stop signal, or --checkpoint-every: resume.pt
+                break
             lr_now = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate if args.anneal_lr else args.learning_rate
             lr.copy_(lr_now)
 
@@ -539,9 +522,9 @@ def main(args: Args):
                     next_obs = normalization.obs(raw_obs.reshape(num_envs, n_obs))
                     next_done = torch.as_tensor(done_np.astype(np.float32), device=device)
                     if world_size > 1:
-                        finished += run.finished(global_step, infos)
+                        finished += vector.ended_episodes(global_step, infos)
                     else:
-                        log_episodes(runs, global_step, infos, args.num_envs)
+                        seeds.episodes(runs, global_step, infos, args.num_envs)
 
                 obs_b, done_b, act_b, logprob_b, values = (torch.stack(x) for x in zip(*rollout))
                 dones = torch.cat([done_b[1:], next_done[None]])
@@ -551,10 +534,10 @@ def main(args: Args):
                 next_value = policy(next_obs)[2].clone()
                 advantages, returns = gae(rewards, values, dones, next_value)
 
-            for step, r, n in gather_episodes(finished, rank, world_size) if world_size > 1 else []:
+            for step, r, n in torchrun.gather_episodes(finished, rank, world_size) if world_size > 1 else []:
                 run.record(step, r, n)
 
-            batch = tuple(seeds_first(x) for x in (obs_b, act_b, logprob_b, advantages, returns, values))
+            batch = tuple(by_seed(x) for x in (obs_b, act_b, logprob_b, advantages, returns, values))
             clipfrac_sum = torch.zeros(num_seeds, device=device)
             for epoch in range(args.update_epochs):
                 # Each seed its own minibatch order.
@@ -576,20 +559,18 @@ def main(args: Args):
             clipfrac = clipfrac_sum / ((epoch + 1) * args.num_minibatches)
             stats = torch.cat([metrics[:, :CLIPFRAC], clipfrac[:, None], explained_var[:, None]], 1).T
             # note: the loop's only host sync is here, once per iteration
-            if not log_seeds(runs, global_step, updates, stats, STATS, seed_networks, **{"charts/learning_rate": lr_now}):
+            if not seeds.log(runs, global_step, updates, stats, STATS, seed_networks, **{"charts/learning_rate": lr_now}):
                 break
-    except KeyboardInterrupt:
-        run.interrupt()
     except RuntimeError as e:  # gloo's and nccl's errors (dist.DistError among them)
         if world_size == 1:
             raise
         # Under torchrun a rank gone or silent ends the others' collectives with an error: end as after a bad loss.
         lost = True
-        gone = f"another rank is gone or was silent for --dist-timeout ({error_line(e)})"
+        gone = f"another rank is gone or was silent for --dist-timeout ({torchrun.error_line(e)})"
         run.stop_reason = f"rank {rank} stopped at step {global_step}: {gone}"
     envs.close()
-    fields = finish_distributed(run, agent.parameters(), world_size, lost) if world_size > 1 else {}
-    finish_seeds(
+    fields = torchrun.leave(run, agent.parameters(), world_size, lost) if world_size > 1 else {}
+    seeds.finish(
         runs, global_step, updates, seed_networks,
         lambda nets, seed_args, name: evaluate(nets["agent"], nets["obs_rms"], seed_args, name, device),
         device=device.type, cudagraphs=cudagraphs, world_size=world_size, batch_size=global_batch, **fields,
@@ -597,4 +578,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(cli(Args))

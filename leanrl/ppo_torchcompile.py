@@ -4,7 +4,7 @@ PPO (Schulman et al., 2017, https://arxiv.org/abs/1707.06347) with the details a
 CleanRL's `ppo.py`, learning as the plain script `ppo.py` does. What changes is where the time
 goes: on a CPU the rollout loop acts in numpy with no torch call (actor and critic derived from
 the one module), the rollout is stored in arrays allocated once, the minibatch step (gather,
-forward, backward, clipping, Adam) is one function that compiles to one graph, and nothing syncs
+forward, backward, clipping, optimizers.Adam) is one function that compiles to one graph, and nothing syncs
 the host with the device between two log points but `--target-kl`.
 
     python leanrl/ppo_torchcompile.py
@@ -12,7 +12,7 @@ the host with the device between two log points but `--target-kl`.
     python leanrl/ppo_torchcompile.py --compile --cudagraphs
 
 `--num-seeds N` trains seeds `seed` to `seed + N - 1` at once in one process: their weights and
-Adam states stacked on a leading seed dimension (one seed is a stack of one), acting and the
+optimizers.Adam states stacked on a leading seed dimension (one seed is a stack of one), acting and the
 update batched over them, each agent on its own slice of one vector env. Seed k is not bit-identical
 to a single run of seed + k: the agents share one stream of random numbers for acting and minibatches.
 """
@@ -27,32 +27,13 @@ import gymnasium as gym
 import numpy as np
 import torch
 import torch.nn as nn
-import tyro
 from tensordict.nn import CudaGraphModule
 
-from leanrl_utils import (
-    Adam,
-    Resumable,
-    SameStepEnvs,
-    check_args,
-    check_rollout,
-    env_sizes,
-    fail,
-    finish_seeds,
-    host_arrays,
-    log_episodes,
-    log_seeds,
-    numpy_forward,
-    seed_runs,
-    seeds_forward,
-    speed_toggles,
-    stack_seeds,
-    value_guards,
-)
+from leanrl_utils import acting, checks, cli, fail, optimizers, resume, seeds, speed, vector
 
 
 @dataclass
-class Args(Resumable):
+class Args(resume.Flags):
     # common
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
@@ -167,10 +148,10 @@ class Agent(nn.Module):
 
 def make_update(agent, optimizer, args, num_seeds=None):
     """One minibatch step on the rows `idx` of the rollout: gather, forward, backward (torch.func),
-    `clip_grad_norm_`'s arithmetic and `Adam`, one function that compiles to one graph (with
+    `clip_grad_norm_`'s arithmetic and `optimizers.Adam`, one function that compiles to one graph (with
     `loss.backward()` and `optim.Adam.step()` it broke into three). Returns METRICS on the device.
     `num_seeds`: stacked seeds [seeds, ...] (parameters, rollout, `idx`, metrics), the gradient and
-    its clipping vmapped, a stack of one the agent's own ops (as `seeds_forward`); None: one agent."""
+    its clipping vmapped, a stack of one the agent's own ops (as `seeds.forward`); None: one agent."""
     clip_coef, ent_coef, vf_coef = args.clip_coef, args.ent_coef, args.vf_coef
     norm_adv, clip_vloss, max_grad_norm = args.norm_adv, args.clip_vloss, args.max_grad_norm
 
@@ -261,27 +242,25 @@ def make_policy(agent, params, num_seeds, host, seed=0):
     critic (`params` stacked), an action drawn from the softmax of the logits by inverse CDF (the
     first action whose cumulative probability passes a uniform: one draw per env, elementwise ops
     that compile, where torch.multinomial breaks a graph) and its log-probability. Derived from
-    `agent`: `host` (a CPU), numpy in and out (`numpy_forward`, uniforms from a generator seeded
+    `agent`: `host` (a CPU), numpy in and out (`acting.numpy_forward`, uniforms from a generator seeded
     with `seed`), where an op on a few numbers costs under a microsecond and a torch op several;
-    else torch (`seeds_forward`), which CUDA compiles and graphs (called through `host_arrays`)."""
+    else torch (`seeds.forward`), which CUDA compiles and graphs (called through `acting.host_arrays`)."""
     if host:
-        actor, critic = numpy_forward(agent.actor, params, "actor."), numpy_forward(agent.critic, params, "critic.")
-        rng = np.random.default_rng(seed)
+        forward, rng = acting.numpy_forward(agent, params), np.random.default_rng(seed)
 
         def host_policy(obs):
-            x = obs.reshape(num_seeds, -1, obs.shape[-1])
-            logits = actor(x)
+            logits, value = forward(obs.reshape(num_seeds, -1, obs.shape[-1]))
             logits -= logits.max(2, keepdims=True)
             cdf = np.exp(logits).cumsum(2)
             total = cdf[..., -1:]
             uniform = rng.random(total.shape, dtype=np.float32) * total
             action = np.minimum((cdf <= uniform).sum(2), logits.shape[2] - 1)  # a rounding at the top stays in range
             logprob = np.take_along_axis(logits, action[..., None], 2)[..., 0] - np.log(total[..., 0])
-            return action.ravel(), logprob.ravel(), critic(x).ravel()
+            return action.ravel(), logprob.ravel(), value.ravel()
 
         return host_policy
 
-    forward = seeds_forward(agent)
+    forward = seeds.forward(agent)
 
     def policy(obs):
         logits, value = (x.flatten(0, 1) for x in forward(params, obs.view(num_seeds, -1, obs.shape[-1])))
@@ -306,7 +285,7 @@ def make_envs(args, run_name, num_envs, capture_video=False):
             probe.close()
         # SAME_STEP autoreset: every stored step is a real transition, and GAE cuts the bootstrap
         # at `done` exactly as in the gym 0.26 loop CleanRL was written for.
-        envs = SameStepEnvs([make_env(args.env_id, i, capture_video, run_name) for i in range(num_envs)])
+        envs = vector.SameStepEnvs([make_env(args.env_id, i, capture_video, run_name) for i in range(num_envs)])
     except gym.error.DependencyNotInstalled as e:
         fail(f"{args.env_id} needs a missing dependency ({e})")
     action_space, observation_space = envs.single_action_space, envs.single_observation_space
@@ -340,7 +319,8 @@ def evaluate(agent, args, run_name, device):
 
 
 def main(args: Args):
-    check_args(args)
+    resumed = resume.read(args, __file__)
+    checks.flags(args)
     batch_size = args.num_envs * args.num_steps
     if args.total_timesteps < batch_size and not (args.total_timesteps == 0 and args.load_model):
         fail(
@@ -361,11 +341,11 @@ def main(args: Args):
     num_seeds, num_iterations = args.num_seeds, args.total_timesteps // batch_size
     if num_seeds > 1 and args.target_kl is not None:
         fail("--target-kl stops each seed at another epoch, which one stacked update cannot: drop it or use --num-seeds 1")
-    device, cudagraphs = speed_toggles(args)
+    device, cudagraphs = speed.setup(args)
     # One line before the envs are made: per step of a sub-env, float32 obs (two copies) and 6
     # numbers (two copies), 16 KiB per sub-env for the env itself.
-    check_rollout(args, 8 * (env_sizes(args.env_id)[0] + 6), device, per_env=2**14)
-    runs = seed_runs(args, num_iterations * batch_size, __file__)
+    checks.rollout(args, 8 * (vector.env_sizes(args.env_id)[0] + 6), device, per_env=2**14)
+    runs = seeds.runs(args, num_iterations * batch_size, __file__, resumed)
     run = runs[0]
 
     random.seed(args.seed)
@@ -385,12 +365,12 @@ def main(args: Args):
         agents.append(Agent(n_obs, n_act, device=device))
     for agent in agents if args.load_model else []:
         run.load({"agent": agent})
-    params = stack_seeds(agents)
+    params = seeds.stack(agents)
 
     # The learning rate is a tensor annealed in place, so annealing never recompiles the update.
-    # Eager updates step Adam with the fused kernel; a compiled update traces its per-tensor form.
+    # Eager updates step optimizers.Adam with the fused kernel; a compiled update traces its per-tensor form.
     lr = torch.tensor(args.learning_rate, device=device)
-    optimizer = Adam(params.items(), lr, eps=1e-5, fused=not args.compile, capturable=device.type == "cuda")
+    optimizer = optimizers.Adam(params.items(), lr, eps=1e-5, fused=not args.compile, capturable=device.type == "cuda")
     policy = make_policy(agents[0], dict(params.items()), num_seeds, device.type == "cpu", seed=args.seed)
     gae = make_gae(args.gamma, args.gae_lambda)
     update = make_update(agents[0], optimizer, args, num_seeds)
@@ -406,14 +386,14 @@ def main(args: Args):
     # kernels on a CPU); the policy off a CPU (numpy acts there); GAE stays eager, as compiling its
     # sequential loop would unroll num_steps steps into one graph.
     if args.compile:
-        options = {"guard_filter_fn": value_guards, "cpp_wrapper": device.type == "cpu"}
+        options = {"guard_filter_fn": speed.value_guards, "cpp_wrapper": device.type == "cpu"}
         update = torch.compile(update, fullgraph=True, options=options)
         if device.type != "cpu":
-            policy = torch.compile(policy, options={"guard_filter_fn": value_guards})
+            policy = torch.compile(policy, options={"guard_filter_fn": speed.value_guards})
     if cudagraphs:
         update, policy = CudaGraphModule(update), CudaGraphModule(policy)
     if device.type != "cpu":
-        policy = host_arrays(policy, device)
+        policy = acting.host_arrays(policy, device)
 
     def by_seed(x):
         """[num_steps, seeds * envs, ...] -> [seeds, num_steps * envs, ...]: each seed's rollout
@@ -428,67 +408,62 @@ def main(args: Args):
     objects = {"params": params, "optimizer": optimizer, "envs": envs, "policy": policy}
     global_step, updates, obs = run.resume(objects, lambda: (global_step, updates, obs), device)
     seed_networks = [{"agent": agent} for agent in agents]
-    try:
-        # Gradients come from torch.func inside the update, which this context does not reach.
-        with torch.no_grad():
-            for iteration in run.iterations(global_step // batch_size + 1, num_iterations + 1):
-                lr_now = (
-                    (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate if args.anneal_lr else args.learning_rate
-                )
-                lr.copy_(lr_now)
+    # Gradients come from torch.func inside the update, which this context does not reach.
+    with torch.no_grad():
+        for iteration in range(global_step // batch_size + 1, num_iterations + 1):
+            if run.checkpoint(iteration):  # a stop signal, or --checkpoint-every: resume.pt
+                break
+            lr_now = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate if args.anneal_lr else args.learning_rate
+            lr.copy_(lr_now)
 
-                for step in range(args.num_steps):
-                    global_step += args.num_envs
-                    stage["obs"][step] = obs
-                    if cudagraphs:
-                        torch.compiler.cudagraph_mark_step_begin()
-                    action, stage["logprobs"][step], stage["values"][step] = policy(obs)
-                    stage["actions"][step] = action
-                    next_obs, stage["rewards"][step], terminations, truncations, infos = envs.step(action)
-                    # SAME_STEP autoreset (see make_envs): next_obs already starts the next episode
-                    # where the step ended one, and GAE does not bootstrap across it.
-                    stage["dones"][step] = terminations | truncations
-                    log_episodes(runs, global_step, infos, args.num_envs)
-                    obs = next_obs.reshape(sub_envs, n_obs).astype(np.float32, copy=False)
-
+            for step in range(args.num_steps):
+                global_step += args.num_envs
+                stage["obs"][step] = obs
                 if cudagraphs:
                     torch.compiler.cudagraph_mark_step_begin()
-                next_value = torch.from_numpy(policy(obs)[2]).to(device)  # its values only
-                for key, staged in stage.items():
-                    storage[key].copy_(torch.from_numpy(staged))
-                advantages, returns = gae(storage["rewards"], storage["values"], storage["dones"], next_value)
+                action, stage["logprobs"][step], stage["values"][step] = policy(obs)
+                stage["actions"][step] = action
+                next_obs, stage["rewards"][step], terminations, truncations, infos = envs.step(action)
+                # SAME_STEP autoreset (see make_envs): next_obs already starts the next episode
+                # where the step ended one, and GAE does not bootstrap across it.
+                stage["dones"][step] = terminations | truncations
+                seeds.episodes(runs, global_step, infos, args.num_envs)
+                obs = next_obs.reshape(sub_envs, n_obs).astype(np.float32, copy=False)
 
-                batch = tuple(
-                    by_seed(x) for x in (storage["obs"], storage["actions"], storage["logprobs"], advantages, returns)
-                )
-                batch = (*batch, by_seed(storage["values"]))
-                clipfrac_sum = torch.zeros(num_seeds, device=device)
-                for epoch in range(args.update_epochs):
-                    # Each seed its own minibatch order.
-                    order = torch.stack([torch.randperm(batch_size, device=device) for _ in range(num_seeds)])
-                    for idx in order.split(minibatch_size, dim=1):
-                        if cudagraphs:
-                            torch.compiler.cudagraph_mark_step_begin()
-                        # The graphed output is overwritten by the next call: the last one is read.
-                        metrics = update(*batch, idx)
-                        clipfrac_sum += metrics[:, CLIPFRAC]
-                        updates += 1
-                    # note: a host sync, once per epoch and only with --target-kl (one seed)
-                    if args.target_kl is not None and metrics[0, APPROX_KL].item() > args.target_kl:
-                        break
+            if cudagraphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            next_value = torch.from_numpy(policy(obs)[2]).to(device)  # its values only
+            for key, staged in stage.items():
+                storage[key].copy_(torch.from_numpy(staged))
+            advantages, returns = gae(storage["rewards"], storage["values"], storage["dones"], next_value)
 
-                y_pred, y_true = batch[5], batch[4]
-                var_y = y_true.var(1, unbiased=False)
-                explained_var = torch.where(var_y > 0, 1 - (y_true - y_pred).var(1, unbiased=False) / var_y, torch.nan)
-                clipfrac = clipfrac_sum / ((epoch + 1) * args.num_minibatches)
-                stats = torch.cat([metrics[:, :CLIPFRAC], clipfrac[:, None], explained_var[:, None]], 1).T
-                # note: the loop's only host sync is here, once per iteration
-                if not log_seeds(runs, global_step, updates, stats, STATS, seed_networks, **{"charts/learning_rate": lr_now}):
+            batch = tuple(by_seed(x) for x in (storage["obs"], storage["actions"], storage["logprobs"], advantages, returns))
+            batch = (*batch, by_seed(storage["values"]))
+            clipfrac_sum = torch.zeros(num_seeds, device=device)
+            for epoch in range(args.update_epochs):
+                # Each seed its own minibatch order.
+                order = torch.stack([torch.randperm(batch_size, device=device) for _ in range(num_seeds)])
+                for idx in order.split(minibatch_size, dim=1):
+                    if cudagraphs:
+                        torch.compiler.cudagraph_mark_step_begin()
+                    # The graphed output is overwritten by the next call: the last one is read.
+                    metrics = update(*batch, idx)
+                    clipfrac_sum += metrics[:, CLIPFRAC]
+                    updates += 1
+                # note: a host sync, once per epoch and only with --target-kl (one seed)
+                if args.target_kl is not None and metrics[0, APPROX_KL].item() > args.target_kl:
                     break
-    except KeyboardInterrupt:
-        run.interrupt()
+
+            y_pred, y_true = batch[5], batch[4]
+            var_y = y_true.var(1, unbiased=False)
+            explained_var = torch.where(var_y > 0, 1 - (y_true - y_pred).var(1, unbiased=False) / var_y, torch.nan)
+            clipfrac = clipfrac_sum / ((epoch + 1) * args.num_minibatches)
+            stats = torch.cat([metrics[:, :CLIPFRAC], clipfrac[:, None], explained_var[:, None]], 1).T
+            # note: the loop's only host sync is here, once per iteration
+            if not seeds.log(runs, global_step, updates, stats, STATS, seed_networks, **{"charts/learning_rate": lr_now}):
+                break
     envs.close()
-    finish_seeds(
+    seeds.finish(
         runs, global_step, updates, seed_networks,
         lambda nets, seed_args, name: evaluate(nets["agent"], seed_args, name, device),
         device=device.type, cudagraphs=cudagraphs,
@@ -496,4 +471,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(cli(Args))

@@ -23,13 +23,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
-import tyro
 
-from leanrl_utils import Resumable, Run, check_args, check_rollout, env_sizes, fail
+from leanrl_utils import Run, checks, cli, fail, resume, vector
 
 
 @dataclass
-class Args(Resumable):
+class Args(resume.Flags):
     # common
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
@@ -180,7 +179,8 @@ def evaluate(q_network, args, run_name, device):
 
 
 def main(args: Args):
-    check_args(args)
+    resumed = resume.read(args, __file__)
+    checks.flags(args)
     batch_size = args.num_envs * args.num_steps
     if args.total_timesteps < batch_size and not (args.total_timesteps == 0 and args.load_model):
         fail(
@@ -194,8 +194,10 @@ def main(args: Args):
         )
     minibatch_size = batch_size // args.num_minibatches
     num_iterations = args.total_timesteps // batch_size
-    check_rollout(args, 4 * env_sizes(args.env_id)[0] + 24)  # per step of an env: float32 obs and 4 numbers, int64 action
-    run = Run(args, num_iterations * batch_size, __file__)
+    checks.rollout(
+        args, 4 * vector.env_sizes(args.env_id)[0] + 24
+    )  # per step of an env: float32 obs and 4 numbers, int64 action
+    run = Run(args, num_iterations * batch_size, __file__, resumed)
 
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -224,79 +226,76 @@ def main(args: Args):
     next_obs = torch.Tensor(next_obs).to(device).flatten(1)
     objects = {"q_network": q_network, "optimizer": optimizer, "envs": envs}
     global_step, updates, next_obs = run.resume(objects, lambda: (global_step, updates, next_obs), device)
-    try:
-        for iteration in run.iterations(global_step // batch_size + 1, num_iterations + 1):
-            if args.anneal_lr:
-                lr_now = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
-                optimizer.param_groups[0]["lr"] = lr_now
+    for iteration in range(global_step // batch_size + 1, num_iterations + 1):
+        if run.checkpoint(iteration):  # a stop signal, or --checkpoint-every: resume.pt
+            break
+        if args.anneal_lr:
+            lr_now = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
+            optimizer.param_groups[0]["lr"] = lr_now
 
-            for step in range(0, args.num_steps):
-                global_step += args.num_envs
-                obs[step] = next_obs
+        for step in range(0, args.num_steps):
+            global_step += args.num_envs
+            obs[step] = next_obs
 
-                epsilon = linear_schedule(
-                    args.start_e, args.end_e, args.exploration_fraction * args.total_timesteps, global_step
-                )
-                random_actions = torch.randint(0, n_act, (args.num_envs,)).to(device)
-                with torch.no_grad():
-                    q_values = q_network(next_obs)
-                    max_actions = torch.argmax(q_values, dim=1)
-                    values[step] = q_values[torch.arange(args.num_envs), max_actions]
-                explore = torch.rand((args.num_envs,)).to(device) < epsilon
-                action = torch.where(explore, random_actions, max_actions)
-                actions[step] = action
-
-                next_obs, reward, termination, truncation, infos = envs.step(action.cpu().numpy())
-                rewards[step] = torch.tensor(reward).to(device).view(-1)
-                # As CleanRL's PQN and our PPO: a time limit ends the return as a termination does.
-                dones[step] = torch.Tensor(np.logical_or(termination, truncation)).to(device)
-                next_obs = torch.Tensor(next_obs).to(device).flatten(1)
-                run.episodes(global_step, infos)
-
-            # Q(lambda) returns. One correction to CleanRL's loop: at an episode's end the
-            # lambda-weighted return of the next step (another episode's) is cut off as well as
-            # the bootstrap.
+            epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_fraction * args.total_timesteps, global_step)
+            random_actions = torch.randint(0, n_act, (args.num_envs,)).to(device)
             with torch.no_grad():
-                next_value = q_network(next_obs).max(dim=1).values
-                returns = torch.zeros_like(rewards).to(device)
-                for t in reversed(range(args.num_steps)):
-                    if t == args.num_steps - 1:
-                        next_q, next_return = next_value, next_value
-                    else:
-                        next_q, next_return = values[t + 1], returns[t + 1]
-                    returns[t] = rewards[t] + args.gamma * (1.0 - dones[t]) * (
-                        args.q_lambda * next_return + (1 - args.q_lambda) * next_q
-                    )
+                q_values = q_network(next_obs)
+                max_actions = torch.argmax(q_values, dim=1)
+                values[step] = q_values[torch.arange(args.num_envs), max_actions]
+            explore = torch.rand((args.num_envs,)).to(device) < epsilon
+            action = torch.where(explore, random_actions, max_actions)
+            actions[step] = action
 
-            b_obs = obs.reshape(-1, n_obs)
-            b_actions = actions.reshape(-1)
-            b_returns = returns.reshape(-1)
+            next_obs, reward, termination, truncation, infos = envs.step(action.cpu().numpy())
+            rewards[step] = torch.tensor(reward).to(device).view(-1)
+            # As CleanRL's PQN and our PPO: a time limit ends the return as a termination does.
+            dones[step] = torch.Tensor(np.logical_or(termination, truncation)).to(device)
+            next_obs = torch.Tensor(next_obs).to(device).flatten(1)
+            run.episodes(global_step, infos)
 
-            b_inds = np.arange(batch_size)
-            for epoch in range(args.update_epochs):
-                np.random.shuffle(b_inds)
-                for start in range(0, batch_size, minibatch_size):
-                    end = start + minibatch_size
-                    mb_inds = b_inds[start:end]
+        # Q(lambda) returns. One correction to CleanRL's loop: at an episode's end the
+        # lambda-weighted return of the next step (another episode's) is cut off as well as
+        # the bootstrap.
+        with torch.no_grad():
+            next_value = q_network(next_obs).max(dim=1).values
+            returns = torch.zeros_like(rewards).to(device)
+            for t in reversed(range(args.num_steps)):
+                if t == args.num_steps - 1:
+                    next_q, next_return = next_value, next_value
+                else:
+                    next_q, next_return = values[t + 1], returns[t + 1]
+                returns[t] = rewards[t] + args.gamma * (1.0 - dones[t]) * (
+                    args.q_lambda * next_return + (1 - args.q_lambda) * next_q
+                )
 
-                    old_val = q_network(b_obs[mb_inds]).gather(1, b_actions[mb_inds].unsqueeze(1)).squeeze(1)
-                    loss = F.mse_loss(b_returns[mb_inds], old_val)
+        b_obs = obs.reshape(-1, n_obs)
+        b_actions = actions.reshape(-1)
+        b_returns = returns.reshape(-1)
 
-                    optimizer.zero_grad()
-                    loss.backward()
-                    nn.utils.clip_grad_norm_(q_network.parameters(), args.max_grad_norm)
-                    optimizer.step()
-                    updates += 1
+        b_inds = np.arange(batch_size)
+        for epoch in range(args.update_epochs):
+            np.random.shuffle(b_inds)
+            for start in range(0, batch_size, minibatch_size):
+                end = start + minibatch_size
+                mb_inds = b_inds[start:end]
 
-            # As CleanRL: the last minibatch's loss and Q-values.
-            stats = {"losses/td_loss": loss.item(), "losses/q_values": old_val.mean().item()}
-            if not math.isfinite(stats["losses/td_loss"]):
-                run.stop_reason = f"non-finite td_loss {stats['losses/td_loss']} at step {global_step}"
-                break
-            metrics = {"charts/learning_rate": lr_now, **stats, "charts/epsilon": epsilon}
-            run.log(global_step, updates, metrics, {"q_network": q_network})
-    except KeyboardInterrupt:
-        run.interrupt()
+                old_val = q_network(b_obs[mb_inds]).gather(1, b_actions[mb_inds].unsqueeze(1)).squeeze(1)
+                loss = F.mse_loss(b_returns[mb_inds], old_val)
+
+                optimizer.zero_grad()
+                loss.backward()
+                nn.utils.clip_grad_norm_(q_network.parameters(), args.max_grad_norm)
+                optimizer.step()
+                updates += 1
+
+        # As CleanRL: the last minibatch's loss and Q-values.
+        stats = {"losses/td_loss": loss.item(), "losses/q_values": old_val.mean().item()}
+        if not math.isfinite(stats["losses/td_loss"]):
+            run.stop_reason = f"non-finite td_loss {stats['losses/td_loss']} at step {global_step}"
+            break
+        metrics = {"charts/learning_rate": lr_now, **stats, "charts/epsilon": epsilon}
+        run.log(global_step, updates, metrics, {"q_network": q_network})
     envs.close()
     run.finish(
         global_step, updates, {"q_network": q_network}, lambda: evaluate(q_network, args, run.name, device), device=device.type
@@ -304,4 +303,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(cli(Args))

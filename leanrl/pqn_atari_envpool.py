@@ -23,13 +23,12 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.optim as optim
-import tyro
 
-from leanrl_utils import Resumable, Run, check_args, check_rollout, envpool_envs, fail
+from leanrl_utils import Run, checks, cli, fail, resume, vector
 
 
 @dataclass
-class Args(Resumable):
+class Args(resume.Flags):
     # common
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
@@ -130,7 +129,7 @@ def evaluate(q_network, args, run_name, device):
     on, so that envpool presses FIRE after each lost life (a greedy policy may never do it); a
     game that never ends is cut by envpool's own limit of 27,000 steps (108,000 frames, 30
     minutes of play)."""
-    eval_envs = envpool_envs(args.env_id, 1, args.seed + 10_000, args.capture_video, f"videos/{run_name}-eval")
+    eval_envs = vector.envpool_envs(args.env_id, 1, args.seed + 10_000, args.capture_video, f"videos/{run_name}-eval")
     returns = []
     obs, _ = eval_envs.reset()
     with torch.no_grad():
@@ -143,7 +142,8 @@ def evaluate(q_network, args, run_name, device):
 
 
 def main(args: Args):
-    check_args(args, atari=True)
+    resumed = resume.read(args, __file__)
+    checks.flags(args, atari=True)
     batch_size = args.num_envs * args.num_steps
     if args.total_timesteps < batch_size and not (args.total_timesteps == 0 and args.load_model):
         fail(
@@ -157,8 +157,8 @@ def main(args: Args):
         )
     minibatch_size = batch_size // args.num_minibatches
     num_iterations = args.total_timesteps // batch_size
-    check_rollout(args, 4 * 84 * 84 + 8 + 6 * 4)  # per step of a game: uint8 frames, int64 action, 6 float32 numbers
-    run = Run(args, num_iterations * batch_size, __file__)
+    checks.rollout(args, 4 * 84 * 84 + 8 + 6 * 4)  # per step of a game: uint8 frames, int64 action, 6 float32 numbers
+    run = Run(args, num_iterations * batch_size, __file__, resumed)
 
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -166,7 +166,7 @@ def main(args: Args):
     torch.backends.cudnn.deterministic = args.torch_deterministic
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
 
-    envs = envpool_envs(args.env_id, args.num_envs, args.seed, args.capture_video, f"videos/{run.name}")
+    envs = vector.envpool_envs(args.env_id, args.num_envs, args.seed, args.capture_video, f"videos/{run.name}")
     obs_shape = envs.single_observation_space.shape
     n_act = envs.single_action_space.n
 
@@ -191,92 +191,89 @@ def main(args: Args):
     next_done = torch.zeros(args.num_envs).to(device)
     # envpool's games cannot be saved: a resumed run starts fresh episodes.
     global_step, updates = run.resume({"q_network": q_network, "optimizer": optimizer}, lambda: (global_step, updates))
-    try:
-        for iteration in run.iterations(global_step // batch_size + 1, num_iterations + 1):
-            if args.anneal_lr:
-                lr_now = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
-                optimizer.param_groups[0]["lr"] = lr_now
+    for iteration in range(global_step // batch_size + 1, num_iterations + 1):
+        if run.checkpoint(iteration):  # a stop signal, or --checkpoint-every: resume.pt
+            break
+        if args.anneal_lr:
+            lr_now = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
+            optimizer.param_groups[0]["lr"] = lr_now
 
-            for step in range(0, args.num_steps):
-                global_step += args.num_envs
-                obs[step] = next_obs
-                # envpool autoresets on the NEXT step: the step that ends an episode returns its
-                # last frame, and the following step ignores its action, resets that env and
-                # returns reward 0 with the first frame of the next episode. Such a reset step is
-                # no transition of the game: the loss leaves it out (valid 0).
-                valid[step] = 1.0 - next_done
+        for step in range(0, args.num_steps):
+            global_step += args.num_envs
+            obs[step] = next_obs
+            # envpool autoresets on the NEXT step: the step that ends an episode returns its
+            # last frame, and the following step ignores its action, resets that env and
+            # returns reward 0 with the first frame of the next episode. Such a reset step is
+            # no transition of the game: the loss leaves it out (valid 0).
+            valid[step] = 1.0 - next_done
 
-                epsilon = linear_schedule(
-                    args.start_e, args.end_e, args.exploration_fraction * args.total_timesteps, global_step
-                )
-                random_actions = torch.randint(0, n_act, (args.num_envs,)).to(device)
-                with torch.no_grad():
-                    q_values = q_network(next_obs)
-                    max_actions = torch.argmax(q_values, dim=1)
-                    values[step] = q_values[torch.arange(args.num_envs), max_actions]
-                explore = torch.rand((args.num_envs,)).to(device) < epsilon
-                action = torch.where(explore, random_actions, max_actions)
-                actions[step] = action
-
-                next_obs, reward, termination, truncation, infos = envs.step(action.cpu().numpy())
-                next_done = torch.Tensor(np.logical_or(termination, truncation)).to(device)
-                rewards[step] = torch.tensor(reward).to(device).view(-1)
-                terminations[step] = torch.Tensor(termination).to(device)
-                dones[step] = next_done
-                next_obs = torch.as_tensor(next_obs).to(device)
-                run.episodes(global_step, infos)
-
-            # Q(lambda) returns. Two corrections to CleanRL's loop: at an episode's end (a lost
-            # life) the lambda-weighted return of the next step (another episode's) is cut off as
-            # well as the bootstrap, and a time-limit truncation bootstraps from max Q of the last
-            # frame (values[t + 1]: envpool returns it at the step that ends the episode) where
-            # CleanRL treats it as a termination.
+            epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_fraction * args.total_timesteps, global_step)
+            random_actions = torch.randint(0, n_act, (args.num_envs,)).to(device)
             with torch.no_grad():
-                next_value = q_network(next_obs).max(dim=1).values
-                returns = torch.zeros_like(rewards).to(device)
-                for t in reversed(range(args.num_steps)):
-                    if t == args.num_steps - 1:
-                        next_q, next_return = next_value, next_value
-                    else:
-                        next_q, next_return = values[t + 1], returns[t + 1]
-                    next_return = torch.where(dones[t].bool(), next_q, next_return)
-                    returns[t] = rewards[t] + args.gamma * (1.0 - terminations[t]) * (
-                        args.q_lambda * next_return + (1 - args.q_lambda) * next_q
-                    )
+                q_values = q_network(next_obs)
+                max_actions = torch.argmax(q_values, dim=1)
+                values[step] = q_values[torch.arange(args.num_envs), max_actions]
+            explore = torch.rand((args.num_envs,)).to(device) < epsilon
+            action = torch.where(explore, random_actions, max_actions)
+            actions[step] = action
 
-            b_obs = obs.reshape((-1,) + obs_shape)
-            b_actions = actions.reshape(-1)
-            b_returns = returns.reshape(-1)
-            b_valid = valid.reshape(-1)
+            next_obs, reward, termination, truncation, infos = envs.step(action.cpu().numpy())
+            next_done = torch.Tensor(np.logical_or(termination, truncation)).to(device)
+            rewards[step] = torch.tensor(reward).to(device).view(-1)
+            terminations[step] = torch.Tensor(termination).to(device)
+            dones[step] = next_done
+            next_obs = torch.as_tensor(next_obs).to(device)
+            run.episodes(global_step, infos)
 
-            b_inds = np.arange(batch_size)
-            for epoch in range(args.update_epochs):
-                np.random.shuffle(b_inds)
-                for start in range(0, batch_size, minibatch_size):
-                    end = start + minibatch_size
-                    mb_inds = b_inds[start:end]
-                    mb_valid = b_valid[mb_inds]
-                    n_valid = mb_valid.sum().clamp(min=1)
+        # Q(lambda) returns. Two corrections to CleanRL's loop: at an episode's end (a lost
+        # life) the lambda-weighted return of the next step (another episode's) is cut off as
+        # well as the bootstrap, and a time-limit truncation bootstraps from max Q of the last
+        # frame (values[t + 1]: envpool returns it at the step that ends the episode) where
+        # CleanRL treats it as a termination.
+        with torch.no_grad():
+            next_value = q_network(next_obs).max(dim=1).values
+            returns = torch.zeros_like(rewards).to(device)
+            for t in reversed(range(args.num_steps)):
+                if t == args.num_steps - 1:
+                    next_q, next_return = next_value, next_value
+                else:
+                    next_q, next_return = values[t + 1], returns[t + 1]
+                next_return = torch.where(dones[t].bool(), next_q, next_return)
+                returns[t] = rewards[t] + args.gamma * (1.0 - terminations[t]) * (
+                    args.q_lambda * next_return + (1 - args.q_lambda) * next_q
+                )
 
-                    old_val = q_network(b_obs[mb_inds]).gather(1, b_actions[mb_inds].unsqueeze(1)).squeeze(1)
-                    # F.mse_loss over the valid steps only
-                    loss = ((b_returns[mb_inds] - old_val) ** 2 * mb_valid).sum() / n_valid
+        b_obs = obs.reshape((-1,) + obs_shape)
+        b_actions = actions.reshape(-1)
+        b_returns = returns.reshape(-1)
+        b_valid = valid.reshape(-1)
 
-                    optimizer.zero_grad()
-                    loss.backward()
-                    nn.utils.clip_grad_norm_(q_network.parameters(), args.max_grad_norm)
-                    optimizer.step()
-                    updates += 1
+        b_inds = np.arange(batch_size)
+        for epoch in range(args.update_epochs):
+            np.random.shuffle(b_inds)
+            for start in range(0, batch_size, minibatch_size):
+                end = start + minibatch_size
+                mb_inds = b_inds[start:end]
+                mb_valid = b_valid[mb_inds]
+                n_valid = mb_valid.sum().clamp(min=1)
 
-            # As CleanRL: the last minibatch's loss and Q-values (over its valid steps).
-            stats = {"losses/td_loss": loss.item(), "losses/q_values": ((old_val * mb_valid).sum() / n_valid).item()}
-            if not math.isfinite(stats["losses/td_loss"]):
-                run.stop_reason = f"non-finite td_loss {stats['losses/td_loss']} at step {global_step}"
-                break
-            metrics = {"charts/learning_rate": lr_now, **stats, "charts/epsilon": epsilon}
-            run.log(global_step, updates, metrics, {"q_network": q_network})
-    except KeyboardInterrupt:
-        run.interrupt()
+                old_val = q_network(b_obs[mb_inds]).gather(1, b_actions[mb_inds].unsqueeze(1)).squeeze(1)
+                # F.mse_loss over the valid steps only
+                loss = ((b_returns[mb_inds] - old_val) ** 2 * mb_valid).sum() / n_valid
+
+                optimizer.zero_grad()
+                loss.backward()
+                nn.utils.clip_grad_norm_(q_network.parameters(), args.max_grad_norm)
+                optimizer.step()
+                updates += 1
+
+        # As CleanRL: the last minibatch's loss and Q-values (over its valid steps).
+        stats = {"losses/td_loss": loss.item(), "losses/q_values": ((old_val * mb_valid).sum() / n_valid).item()}
+        if not math.isfinite(stats["losses/td_loss"]):
+            run.stop_reason = f"non-finite td_loss {stats['losses/td_loss']} at step {global_step}"
+            break
+        metrics = {"charts/learning_rate": lr_now, **stats, "charts/epsilon": epsilon}
+        run.log(global_step, updates, metrics, {"q_network": q_network})
     envs.close()
     run.finish(
         global_step, updates, {"q_network": q_network}, lambda: evaluate(q_network, args, run.name, device), device=device.type
@@ -284,4 +281,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(cli(Args))

@@ -11,7 +11,7 @@ reported returns are whole games, unclipped. It learns as the plain script
 `pqn_atari_envpool.py` does; what changes is where the time goes: the rollout is stored in
 tensors allocated once, the network runs channels-last (oneDNN's fastest layout on a CPU), the
 Q(lambda) returns are one triangular solve, the minibatch step (gather, forward, backward,
-clipping, RAdam) is one function that compiles to one graph, and nothing syncs the host with
+clipping, optimizers.RAdam) is one function that compiles to one graph, and nothing syncs the host with
 the device between two log points.
 
     python leanrl/pqn_atari_envpool_torchcompile.py
@@ -27,27 +27,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn as nn
-import tyro
 from tensordict.nn import CudaGraphModule
 
-from leanrl_utils import (
-    RAdam,
-    Resumable,
-    check_args,
-    check_rollout,
-    envpool_envs,
-    fail,
-    finish_seeds,
-    log_episodes,
-    log_seeds,
-    seed_runs,
-    speed_toggles,
-    value_guards,
-)
+from leanrl_utils import checks, cli, fail, optimizers, resume, seeds, speed, vector
 
 
 @dataclass
-class Args(Resumable):
+class Args(resume.Flags):
     # common
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
@@ -157,7 +143,7 @@ class QNetwork(nn.Module):
 def make_update(q_network, optimizer, max_grad_norm):
     """One minibatch step on rows `idx` of the flattened rollout as a pure function of tensors,
     so that torch.compile sees all of it as one graph (`fullgraph=True`): the gather and the
-    uint8-to-float division, forward, backward (`torch.func`), gradient clipping and RAdam.
+    uint8-to-float division, forward, backward (`torch.func`), gradient clipping and optimizers.RAdam.
     Returns the METRICS as one tensor that stays on the device.
 
     `valid` is 0 at envpool's reset steps (see the rollout in `main`): the means run over the
@@ -240,7 +226,7 @@ def evaluate(q_network, args, run_name, device):
     on, so that envpool presses FIRE after each lost life (a greedy policy may never do it); a
     game that never ends is cut by envpool's own limit of 27,000 steps (108,000 frames, 30
     minutes of play)."""
-    eval_envs = envpool_envs(args.env_id, 1, args.seed + 10_000, args.capture_video, f"videos/{run_name}-eval")
+    eval_envs = vector.envpool_envs(args.env_id, 1, args.seed + 10_000, args.capture_video, f"videos/{run_name}-eval")
     returns = []
     obs, _ = eval_envs.reset()
     with torch.no_grad():
@@ -253,7 +239,8 @@ def evaluate(q_network, args, run_name, device):
 
 
 def main(args: Args):
-    check_args(args, atari=True)
+    resumed = resume.read(args, __file__)
+    checks.flags(args, atari=True)
     batch_size = args.num_envs * args.num_steps
     if args.total_timesteps < batch_size and not (args.total_timesteps == 0 and args.load_model):
         fail(
@@ -269,9 +256,9 @@ def main(args: Args):
         fail(f"--q-lambda {args.q_lambda} is out of range: use a number in [0, 1]")
     minibatch_size = batch_size // args.num_minibatches
     num_iterations = args.total_timesteps // batch_size
-    device, cudagraphs = speed_toggles(args)
-    check_rollout(args, 4 * 84 * 84 + 8 + 10 * 4, device)  # per step of a game: uint8 frames, int64 action, 10 numbers
-    runs = seed_runs(args, num_iterations * batch_size, __file__)
+    device, cudagraphs = speed.setup(args)
+    checks.rollout(args, 4 * 84 * 84 + 8 + 10 * 4, device)  # per step of a game: uint8 frames, int64 action, 10 numbers
+    runs = seeds.runs(args, num_iterations * batch_size, __file__, resumed)
     run = runs[0]
 
     random.seed(args.seed)
@@ -279,7 +266,7 @@ def main(args: Args):
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
 
-    envs = envpool_envs(args.env_id, args.num_envs, args.seed, args.capture_video, f"videos/{run.name}")
+    envs = vector.envpool_envs(args.env_id, args.num_envs, args.seed, args.capture_video, f"videos/{run.name}")
     obs_shape = envs.single_observation_space.shape
     n_act = envs.single_action_space.n
 
@@ -288,8 +275,8 @@ def main(args: Args):
         run.load({"q_network": q_network})
     # The learning rate is a tensor annealed in place, so annealing never recompiles the update.
     lr = torch.tensor(args.learning_rate, device=device)
-    # The update is compiled on CUDA only (see below), which is where RAdam must be capturable.
-    optimizer = RAdam(q_network.named_parameters(), lr, capturable=device.type == "cuda")
+    # The update is compiled on CUDA only (see below), which is where optimizers.RAdam must be capturable.
+    optimizer = optimizers.RAdam(q_network.named_parameters(), lr, capturable=device.type == "cuda")
 
     # The rollout: the frames go to their device tensor as they come (the policy needs them
     # there anyway); the env's small arrays are staged on the host and copied once per rollout.
@@ -308,8 +295,8 @@ def main(args: Args):
     # oneDNN's convolutions are most of the time and inductor does not lower them. The returns
     # are one triangular solve: nothing to fuse.
     if args.compile and device.type == "cuda":
-        update = torch.compile(update, fullgraph=True, options={"guard_filter_fn": value_guards})
-        policy = torch.compile(policy, options={"guard_filter_fn": value_guards})
+        update = torch.compile(update, fullgraph=True, options={"guard_filter_fn": speed.value_guards})
+        policy = torch.compile(policy, options={"guard_filter_fn": speed.value_guards})
     elif args.compile:
         notice = "on a CPU --compile leaves this script eager: oneDNN's convolutions are its floor either way"
         print(f"notice: {notice}", file=sys.stderr)
@@ -324,78 +311,75 @@ def main(args: Args):
     next_obs = torch.as_tensor(next_obs, device=device)
     # envpool's games cannot be saved: a resumed run starts fresh episodes.
     global_step, updates = run.resume({"q_network": q_network, "optimizer": optimizer}, lambda: (global_step, updates))
-    try:
-        # Gradients come from torch.func inside the update, which this context does not reach.
-        with torch.no_grad():
-            for iteration in run.iterations(global_step // batch_size + 1, num_iterations + 1):
-                if args.anneal_lr:
-                    lr_now = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
-                    lr.copy_(lr_now)
+    # Gradients come from torch.func inside the update, which this context does not reach.
+    with torch.no_grad():
+        for iteration in range(global_step // batch_size + 1, num_iterations + 1):
+            if run.checkpoint(iteration):  # a stop signal, or --checkpoint-every: resume.pt
+                break
+            if args.anneal_lr:
+                lr_now = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
+                lr.copy_(lr_now)
 
-                # A done before acting marks a reset step (see the plain script's rollout).
-                done_before = stage["dones"][-1].copy() if iteration > 1 else np.zeros(args.num_envs, np.float32)
-                actions, values = [], []
-                # Each step's epsilon is the schedule's after counting that step's env steps.
-                duration = args.exploration_fraction * args.total_timesteps
-                epsilons = [
-                    linear_schedule(args.start_e, args.end_e, duration, global_step + args.num_envs * (t + 1))
-                    for t in range(args.num_steps)
-                ]
-                explore, random_actions = draw_exploration(epsilons, args.num_envs, n_act, device)
-                epsilon_value = epsilons[-1]
-                for step in range(args.num_steps):
-                    global_step += args.num_envs
-                    storage["obs"][step] = next_obs
+            # A done before acting marks a reset step (see the plain script's rollout).
+            done_before = stage["dones"][-1].copy() if iteration > 1 else np.zeros(args.num_envs, np.float32)
+            actions, values = [], []
+            # Each step's epsilon is the schedule's after counting that step's env steps.
+            duration = args.exploration_fraction * args.total_timesteps
+            epsilons = [
+                linear_schedule(args.start_e, args.end_e, duration, global_step + args.num_envs * (t + 1))
+                for t in range(args.num_steps)
+            ]
+            explore, random_actions = draw_exploration(epsilons, args.num_envs, n_act, device)
+            epsilon_value = epsilons[-1]
+            for step in range(args.num_steps):
+                global_step += args.num_envs
+                storage["obs"][step] = next_obs
+                if cudagraphs:
+                    torch.compiler.cudagraph_mark_step_begin()
+                action, value = policy(next_obs, explore[step], random_actions[step])
+                actions.append(action)
+                values.append(value)
+                # note: a CPU-GPU sync point on CUDA, which the host env needs anyway
+                next_obs_np, reward, termination, truncation, infos = envs.step(action.cpu().numpy())
+                stage["rewards"][step] = reward
+                stage["terminations"][step] = termination
+                stage["dones"][step] = termination | truncation
+                next_obs = torch.as_tensor(next_obs_np, device=device)
+                seeds.episodes(runs, global_step, infos, args.num_envs)
+
+            if cudagraphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            next_value = policy(next_obs, explore[0], random_actions[0])[1]  # its values only
+            torch.stack(actions, out=storage["actions"])
+            torch.stack(values, out=storage["values"])
+            for key, staged in stage.items():
+                storage[key].copy_(torch.from_numpy(staged))
+            valid = 1.0 - torch.cat([torch.from_numpy(done_before).to(device).unsqueeze(0), storage["dones"][:-1]])
+            if cudagraphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            returns = returns_fn(storage["rewards"], storage["values"], next_value, storage["terminations"], storage["dones"])
+
+            batch = (
+                storage["obs"].view((batch_size,) + obs_shape),
+                storage["actions"].view(batch_size),
+                returns.view(batch_size),
+                valid.view(batch_size),
+            )
+            for epoch in range(args.update_epochs):
+                for idx in torch.randperm(batch_size, device=device).split(minibatch_size):
                     if cudagraphs:
                         torch.compiler.cudagraph_mark_step_begin()
-                    action, value = policy(next_obs, explore[step], random_actions[step])
-                    actions.append(action)
-                    values.append(value)
-                    # note: a CPU-GPU sync point on CUDA, which the host env needs anyway
-                    next_obs_np, reward, termination, truncation, infos = envs.step(action.cpu().numpy())
-                    stage["rewards"][step] = reward
-                    stage["terminations"][step] = termination
-                    stage["dones"][step] = termination | truncation
-                    next_obs = torch.as_tensor(next_obs_np, device=device)
-                    log_episodes(runs, global_step, infos, args.num_envs)
+                    # The graphed output is overwritten by the next call; only the latest is read.
+                    metrics = update(*batch, idx)
+                    updates += 1
 
-                if cudagraphs:
-                    torch.compiler.cudagraph_mark_step_begin()
-                next_value = policy(next_obs, explore[0], random_actions[0])[1]  # its values only
-                torch.stack(actions, out=storage["actions"])
-                torch.stack(values, out=storage["values"])
-                for key, staged in stage.items():
-                    storage[key].copy_(torch.from_numpy(staged))
-                valid = 1.0 - torch.cat([torch.from_numpy(done_before).to(device).unsqueeze(0), storage["dones"][:-1]])
-                if cudagraphs:
-                    torch.compiler.cudagraph_mark_step_begin()
-                returns = returns_fn(
-                    storage["rewards"], storage["values"], next_value, storage["terminations"], storage["dones"]
-                )
-
-                batch = (
-                    storage["obs"].view((batch_size,) + obs_shape),
-                    storage["actions"].view(batch_size),
-                    returns.view(batch_size),
-                    valid.view(batch_size),
-                )
-                for epoch in range(args.update_epochs):
-                    for idx in torch.randperm(batch_size, device=device).split(minibatch_size):
-                        if cudagraphs:
-                            torch.compiler.cudagraph_mark_step_begin()
-                        # The graphed output is overwritten by the next call; only the latest is read.
-                        metrics = update(*batch, idx)
-                        updates += 1
-
-                # As CleanRL: the last minibatch's loss and Q-values (over its valid steps).
-                # note: the loop's only host sync is here, once per iteration
-                charts = {"charts/learning_rate": lr_now, "charts/epsilon": epsilon_value}
-                if not log_seeds(runs, global_step, updates, metrics, METRICS, [{"q_network": q_network}], **charts):
-                    break
-    except KeyboardInterrupt:
-        run.interrupt()
+            # As CleanRL: the last minibatch's loss and Q-values (over its valid steps).
+            # note: the loop's only host sync is here, once per iteration
+            charts = {"charts/learning_rate": lr_now, "charts/epsilon": epsilon_value}
+            if not seeds.log(runs, global_step, updates, metrics, METRICS, [{"q_network": q_network}], **charts):
+                break
     envs.close()
-    finish_seeds(
+    seeds.finish(
         runs, global_step, updates, [{"q_network": q_network}],
         lambda nets, seed_args, name: evaluate(nets["q_network"], seed_args, name, device),
         device=device.type, cudagraphs=cudagraphs,
@@ -403,4 +387,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(cli(Args))

@@ -7,7 +7,7 @@ of minibatch updates per rollout, with no replay buffer and no target network. I
 plain script `pqn.py` does; what changes is where the time goes: on a CPU the rollout loop
 acts in numpy with no torch call, the rollout is stored in arrays allocated once, the Q(lambda)
 returns are one triangular solve, the minibatch step (gather, forward, backward, clipping,
-RAdam) is one function that compiles to one graph, and nothing syncs the host with the device
+optimizers.RAdam) is one function that compiles to one graph, and nothing syncs the host with the device
 between two log points.
 
     python leanrl/pqn_torchcompile.py
@@ -15,7 +15,7 @@ between two log points.
     python leanrl/pqn_torchcompile.py --compile --cudagraphs
 
 `--num-seeds N` trains N independent agents (seeds seed ... seed+N-1) in one process: their
-weights and RAdam states stacked on a leading seed dimension (one seed is a stack of one), so
+weights and optimizers.RAdam states stacked on a leading seed dimension (one seed is a stack of one), so
 that acting and the update are one batched call for all of them, each agent on its own slice of
 one vector env, with its own minibatches and its own gradient clipping. Seed k is not
 bit-identical to a single run of seed+k: the agents share one stream of random numbers for
@@ -32,32 +32,13 @@ import gymnasium as gym
 import numpy as np
 import torch
 import torch.nn as nn
-import tyro
 from tensordict.nn import CudaGraphModule
 
-from leanrl_utils import (
-    RAdam,
-    Resumable,
-    SameStepEnvs,
-    check_args,
-    check_rollout,
-    env_sizes,
-    fail,
-    finish_seeds,
-    host_arrays,
-    log_episodes,
-    log_seeds,
-    numpy_forward,
-    seed_runs,
-    seeds_forward,
-    speed_toggles,
-    stack_seeds,
-    value_guards,
-)
+from leanrl_utils import acting, checks, cli, fail, optimizers, resume, seeds, speed, vector
 
 
 @dataclass
-class Args(Resumable):
+class Args(resume.Flags):
     # common
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
@@ -165,13 +146,13 @@ class QNetwork(nn.Module):
 def make_update(q_network, optimizer, max_grad_norm, num_seeds):
     """One minibatch step of every seed as a pure function of tensors, so that torch.compile sees
     all of it as one graph (`fullgraph=True`): the gather, forward, backward (`torch.func`),
-    gradient clipping and RAdam. obs, actions and returns are [seeds, batch, ...], `idx`
+    gradient clipping and optimizers.RAdam. obs, actions and returns are [seeds, batch, ...], `idx`
     [seeds, minibatch] holds each seed's own rows. The sum of the seeds' losses is differentiated:
     seed k's part of its gradient is its own loss's gradient; each seed's gradient is clipped by
-    its own norm, and RAdam is elementwise, so one step over the stack is num_seeds independent
+    its own norm, and optimizers.RAdam is elementwise, so one step over the stack is num_seeds independent
     steps. Returns the METRICS as one [len(METRICS), seeds] tensor that stays on the device."""
-    forward = seeds_forward(q_network)
-    seeds = torch.arange(num_seeds, device=next(iter(optimizer.params.values())).device).unsqueeze(1)
+    forward = seeds.forward(q_network)
+    seed_ids = torch.arange(num_seeds, device=next(iter(optimizer.params.values())).device).unsqueeze(1)
 
     def td_loss(params, obs, actions, returns):
         old_val = forward(params, obs).gather(2, actions.unsqueeze(2)).squeeze(2)
@@ -180,7 +161,7 @@ def make_update(q_network, optimizer, max_grad_norm, num_seeds):
 
     def update(obs, actions, returns, idx):
         grads, (_, (losses, old_val)) = torch.func.grad_and_value(td_loss, has_aux=True)(
-            optimizer.params, obs[seeds, idx], actions[seeds, idx], returns[seeds, idx]
+            optimizer.params, obs[seed_ids, idx], actions[seed_ids, idx], returns[seed_ids, idx]
         )
         # nn.utils.clip_grad_norm_ per seed: the norm over each seed's slices of the gradients
         norms = [torch.linalg.vector_norm(g.flatten(1), dim=1) for g in grads.values()]
@@ -222,19 +203,19 @@ def make_policy(q_network, params, num_seeds, host):
     """Acting: for observations [seeds * envs, n_obs] (seed k's envs in block k), the greedy action
     of each under its seed's network and its max Q (the value the Q(lambda) returns bootstrap
     from); epsilon-greedy is mixed in by the loop. `params`: the Q-networks' parameters stacked on
-    a leading seed dimension (`stack_seeds`). Both forms are derived from `QNetwork`: `host` (a
-    CPU), numpy in and out (`numpy_forward`, where an op on a few numbers costs under a
+    a leading seed dimension (`seeds.stack`). Both forms are derived from `QNetwork`: `host` (a
+    CPU), numpy in and out (`acting.numpy_forward`, where an op on a few numbers costs under a
     microsecond and a torch op several, so the rollout loop makes no torch call at all); else
-    torch, which CUDA compiles and graphs (the loop calls it through `host_arrays`)."""
+    torch, which CUDA compiles and graphs (the loop calls it through `acting.host_arrays`)."""
     if host:
-        forward = numpy_forward(q_network, params)
+        forward = acting.numpy_forward(q_network, params)
 
         def host_policy(obs):
             q = forward(obs.reshape(num_seeds, -1, obs.shape[-1]))
             return q.argmax(2).ravel(), q.max(2).ravel()
 
         return host_policy
-    forward = seeds_forward(q_network)
+    forward = seeds.forward(q_network)
 
     def policy(obs):
         value, greedy = forward(params, obs.view(num_seeds, -1, obs.shape[-1])).max(dim=2)
@@ -265,7 +246,7 @@ def make_envs(args, run_name, num_envs, capture_video=False):
         # observation of the next one, so every step of a rollout is one real transition
         # (NEXT_STEP would spend a step per episode on a reset whose transition the loss must
         # leave out).
-        envs = SameStepEnvs([make_env(args.env_id, i, capture_video, run_name) for i in range(num_envs)])
+        envs = vector.SameStepEnvs([make_env(args.env_id, i, capture_video, run_name) for i in range(num_envs)])
     except gym.error.DependencyNotInstalled as e:
         fail(f"{args.env_id} needs a missing dependency ({e})")
     action_space, observation_space = envs.single_action_space, envs.single_observation_space
@@ -306,7 +287,8 @@ def evaluate(q_network, args, run_name, device):
 
 
 def main(args: Args):
-    check_args(args)
+    resumed = resume.read(args, __file__)
+    checks.flags(args)
     batch_size = args.num_envs * args.num_steps
     if args.total_timesteps < batch_size and not (args.total_timesteps == 0 and args.load_model):
         fail(
@@ -322,12 +304,12 @@ def main(args: Args):
         fail(f"--q-lambda {args.q_lambda} is out of range: use a number in [0, 1]")
     minibatch_size = batch_size // args.num_minibatches
     num_seeds, num_iterations = args.num_seeds, args.total_timesteps // batch_size
-    device, cudagraphs = speed_toggles(args)
+    device, cudagraphs = speed.setup(args)
     # One line before num_seeds x num_envs envs are made: per step of a sub-env, float32 obs
     # (three copies), values, rewards, dones and returns, an int64 action and a row of the
     # returns' triangular solve; 16 KiB per sub-env for the env itself.
-    check_rollout(args, 12 * env_sizes(args.env_id)[0] + 24 + 4 * args.num_steps, device, per_env=2**14)
-    runs = seed_runs(args, num_iterations * batch_size, __file__)
+    checks.rollout(args, 12 * vector.env_sizes(args.env_id)[0] + 24 + 4 * args.num_steps, device, per_env=2**14)
+    runs = seeds.runs(args, num_iterations * batch_size, __file__, resumed)
     run = runs[0]
 
     random.seed(args.seed)
@@ -347,13 +329,13 @@ def main(args: Args):
         q_networks.append(QNetwork(n_obs, n_act, device=device))
     for q_network in q_networks if args.load_model else []:
         run.load({"q_network": q_network})
-    q_params = stack_seeds(q_networks)
+    q_params = seeds.stack(q_networks)
 
     # The learning rate is a tensor annealed in place, so annealing never recompiles the update.
-    # RAdam is capturable under torch.compile (its rectification's branch becomes a torch.where)
+    # optimizers.RAdam is capturable under torch.compile (its rectification's branch becomes a torch.where)
     # and on CUDA (no sync).
     lr = torch.tensor(args.learning_rate, device=device)
-    optimizer = RAdam(q_params.items(), lr, capturable=args.compile or device.type == "cuda")
+    optimizer = optimizers.RAdam(q_params.items(), lr, capturable=args.compile or device.type == "cuda")
     update = make_update(q_networks[0], optimizer, args.max_grad_norm, num_seeds)
     policy = make_policy(q_networks[0], dict(q_params.items()), num_seeds, host=device.type == "cpu")
     returns_fn = make_returns(args.gamma, args.q_lambda)
@@ -375,14 +357,14 @@ def main(args: Args):
     # kernels on a CPU); the policy only on CUDA: on a CPU a compiled call's wrappers cost more
     # than fusing a dozen tiny ops saves, so it acts in numpy there.
     if args.compile:
-        options = {"guard_filter_fn": value_guards, "cpp_wrapper": device.type == "cpu"}
+        options = {"guard_filter_fn": speed.value_guards, "cpp_wrapper": device.type == "cpu"}
         update = torch.compile(update, fullgraph=True, options=options)
         if device.type == "cuda":
-            policy = torch.compile(policy, options={"guard_filter_fn": value_guards})
+            policy = torch.compile(policy, options={"guard_filter_fn": speed.value_guards})
     if cudagraphs:
         update, returns_fn, policy = CudaGraphModule(update), CudaGraphModule(returns_fn), CudaGraphModule(policy)
     if device.type != "cpu":
-        policy = host_arrays(policy, device)
+        policy = acting.host_arrays(policy, device)
 
     global_step = updates = 0
     metrics, epsilon, lr_now = None, args.start_e, args.learning_rate
@@ -392,62 +374,61 @@ def main(args: Args):
     obs = obs.reshape(sub_envs, n_obs).astype(np.float32, copy=False)
     objects = {"q_params": q_params, "optimizer": optimizer, "envs": envs}
     global_step, updates, obs = run.resume(objects, lambda: (global_step, updates, obs), device)
-    try:
-        # Gradients come from torch.func inside the update, which this context does not reach.
-        with torch.no_grad():
-            for iteration in run.iterations(global_step // batch_size + 1, num_iterations + 1):
-                if args.anneal_lr:
-                    lr_now = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
-                    lr.copy_(lr_now)
+    # Gradients come from torch.func inside the update, which this context does not reach.
+    with torch.no_grad():
+        for iteration in range(global_step // batch_size + 1, num_iterations + 1):
+            if run.checkpoint(iteration):  # a stop signal, or --checkpoint-every: resume.pt
+                break
+            if args.anneal_lr:
+                lr_now = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
+                lr.copy_(lr_now)
 
-                # Each step's epsilon is the schedule's after counting that step's env steps.
-                counts = range(global_step + args.num_envs, global_step + args.num_envs * (args.num_steps + 1), args.num_envs)
-                epsilons = [linear_schedule(args.start_e, args.end_e, duration, t) for t in counts]
-                # Drawn on the host, where acting mixes them in.
-                explore, random_actions = (x.numpy() for x in draw_exploration(epsilons, sub_envs, n_act, "cpu"))
-                epsilon = epsilons[-1]
-                for step in range(args.num_steps):
-                    global_step += args.num_envs
-                    stage["obs"][step] = obs
-                    if cudagraphs:
-                        torch.compiler.cudagraph_mark_step_begin()
-                    greedy, value = policy(obs)
-                    action = np.where(explore[step], random_actions[step], greedy)
-                    stage["actions"][step], stage["values"][step] = action, value
-                    next_obs, reward, termination, truncation, infos = envs.step(action)
-                    stage["rewards"][step] = reward
-                    stage["dones"][step] = termination | truncation  # a time limit ends the return too
-                    log_episodes(runs, global_step, infos, args.num_envs)
-                    obs = next_obs.reshape(sub_envs, n_obs).astype(np.float32, copy=False)
-
+            # Each step's epsilon is the schedule's after counting that step's env steps.
+            counts = range(global_step + args.num_envs, global_step + args.num_envs * (args.num_steps + 1), args.num_envs)
+            epsilons = [linear_schedule(args.start_e, args.end_e, duration, t) for t in counts]
+            # Drawn on the host, where acting mixes them in.
+            explore, random_actions = (x.numpy() for x in draw_exploration(epsilons, sub_envs, n_act, "cpu"))
+            epsilon = epsilons[-1]
+            for step in range(args.num_steps):
+                global_step += args.num_envs
+                stage["obs"][step] = obs
                 if cudagraphs:
                     torch.compiler.cudagraph_mark_step_begin()
-                next_value = torch.from_numpy(policy(obs)[1]).to(device)  # its values only
-                for key, staged in stage.items():
-                    storage[key].copy_(torch.from_numpy(staged))
-                returns = returns_fn(storage["rewards"], storage["values"], next_value, storage["dones"])
+                greedy, value = policy(obs)
+                action = np.where(explore[step], random_actions[step], greedy)
+                stage["actions"][step], stage["values"][step] = action, value
+                next_obs, reward, termination, truncation, infos = envs.step(action)
+                stage["rewards"][step] = reward
+                stage["dones"][step] = termination | truncation  # a time limit ends the return too
+                seeds.episodes(runs, global_step, infos, args.num_envs)
+                obs = next_obs.reshape(sub_envs, n_obs).astype(np.float32, copy=False)
 
-                batch = (by_seed(storage["obs"]), by_seed(storage["actions"]), by_seed(returns))
-                for epoch in range(args.update_epochs):
-                    # Each seed its own order of its own rows.
-                    order = torch.stack([torch.randperm(batch_size, device=device) for _ in range(num_seeds)])
-                    for idx in order.split(minibatch_size, dim=1):
-                        if cudagraphs:
-                            torch.compiler.cudagraph_mark_step_begin()
-                        # The graphed output is overwritten by the next call; only the latest is read.
-                        metrics = update(*batch, idx)
-                        updates += 1
+            if cudagraphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            next_value = torch.from_numpy(policy(obs)[1]).to(device)  # its values only
+            for key, staged in stage.items():
+                storage[key].copy_(torch.from_numpy(staged))
+            returns = returns_fn(storage["rewards"], storage["values"], next_value, storage["dones"])
 
-                # As CleanRL: the last minibatch's loss and Q-values.
-                # note: the loop's only host sync is here, once per iteration
-                networks = [{"q_network": net} for net in q_networks]
-                charts = {"charts/learning_rate": lr_now, "charts/epsilon": epsilon}
-                if not log_seeds(runs, global_step, updates, metrics, METRICS, networks, **charts):
-                    break
-    except KeyboardInterrupt:
-        run.interrupt()
+            batch = (by_seed(storage["obs"]), by_seed(storage["actions"]), by_seed(returns))
+            for epoch in range(args.update_epochs):
+                # Each seed its own order of its own rows.
+                order = torch.stack([torch.randperm(batch_size, device=device) for _ in range(num_seeds)])
+                for idx in order.split(minibatch_size, dim=1):
+                    if cudagraphs:
+                        torch.compiler.cudagraph_mark_step_begin()
+                    # The graphed output is overwritten by the next call; only the latest is read.
+                    metrics = update(*batch, idx)
+                    updates += 1
+
+            # As CleanRL: the last minibatch's loss and Q-values.
+            # note: the loop's only host sync is here, once per iteration
+            networks = [{"q_network": net} for net in q_networks]
+            charts = {"charts/learning_rate": lr_now, "charts/epsilon": epsilon}
+            if not seeds.log(runs, global_step, updates, metrics, METRICS, networks, **charts):
+                break
     envs.close()
-    finish_seeds(
+    seeds.finish(
         runs, global_step, updates, [{"q_network": net} for net in q_networks],
         lambda nets, seed_args, name: evaluate(nets["q_network"], seed_args, name, device),
         device=device.type, cudagraphs=cudagraphs,
@@ -455,4 +436,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(cli(Args))

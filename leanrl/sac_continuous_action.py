@@ -25,13 +25,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
-import tyro
 
-from leanrl_utils import Resumable, Run, check_args, check_memory, fail, real_next_obs
+from leanrl_utils import Run, checks, cli, fail, resume, vector
 
 
 @dataclass
-class Args(Resumable):
+class Args(resume.Flags):
     # common
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
@@ -137,7 +136,7 @@ class ReplayBuffer:
     """A ring buffer of transitions in numpy arrays on the host, sampled uniformly."""
 
     def __init__(self, buffer_size, n_obs, n_act):
-        check_memory(buffer_size * (2 * n_obs + n_act + 2) * 4, torch.device("cpu"), f"--buffer-size {buffer_size}")
+        checks.memory(buffer_size * (2 * n_obs + n_act + 2) * 4, torch.device("cpu"), f"--buffer-size {buffer_size}")
         self.obs = np.zeros((buffer_size, n_obs), dtype=np.float32)
         self.next_obs = np.zeros((buffer_size, n_obs), dtype=np.float32)
         self.actions = np.zeros((buffer_size, n_act), dtype=np.float32)
@@ -238,7 +237,8 @@ def evaluate(actor, args, run_name, device):
 
 
 def main(args: Args):
-    check_args(args)
+    resumed = resume.read(args, __file__)
+    checks.flags(args)
     if args.batch_size > args.buffer_size:
         fail(f"--batch-size {args.batch_size} is larger than --buffer-size {args.buffer_size}: make the buffer hold a batch")
     if args.num_envs > args.buffer_size:
@@ -247,7 +247,7 @@ def main(args: Args):
             "make the buffer hold a step of every env"
         )
     num_iterations = args.total_timesteps // args.num_envs
-    run = Run(args, num_iterations * args.num_envs, __file__)
+    run = Run(args, num_iterations * args.num_envs, __file__, resumed)
 
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -297,101 +297,98 @@ def main(args: Args):
     last = lambda: (qf1_a_values, qf2_a_values, qf1_loss, qf2_loss, qf_loss, actor_loss, alpha_loss)
     global_step, updates, obs, alpha, saved = run.resume(objects, lambda: (global_step, updates, obs, alpha, last()), device)
     qf1_a_values, qf2_a_values, qf1_loss, qf2_loss, qf_loss, actor_loss, alpha_loss = saved
-    try:
-        for iteration in run.iterations(global_step // args.num_envs, num_iterations):
-            if global_step < args.learning_starts:
-                actions = envs.action_space.sample()
-            else:
-                actions, _, _ = actor.get_action(torch.Tensor(obs).to(device))
-                actions = actions.detach().cpu().numpy()
+    for iteration in range(global_step // args.num_envs, num_iterations):
+        if run.checkpoint(iteration):  # a stop signal, or --checkpoint-every: resume.pt
+            break
+        if global_step < args.learning_starts:
+            actions = envs.action_space.sample()
+        else:
+            actions, _, _ = actor.get_action(torch.Tensor(obs).to(device))
+            actions = actions.detach().cpu().numpy()
 
-            next_obs, rewards, terminations, truncations, infos = envs.step(actions)
-            global_step += args.num_envs
-            run.episodes(global_step, infos)
+        next_obs, rewards, terminations, truncations, infos = envs.step(actions)
+        global_step += args.num_envs
+        run.episodes(global_step, infos)
 
-            # The done flag is the termination only: a time-limit truncation still bootstraps
-            # from the true last observation (see make_envs for the autoreset).
-            rb.add(obs, real_next_obs(next_obs, infos), actions, rewards, terminations)
-            obs = next_obs
+        # The done flag is the termination only: a time-limit truncation still bootstraps
+        # from the true last observation (see make_envs for the autoreset).
+        rb.add(obs, vector.real_next_obs(next_obs, infos), actions, rewards, terminations)
+        obs = next_obs
 
-            if global_step > args.learning_starts:
-                data_obs, data_actions, data_next_obs, data_dones, data_rewards = rb.sample(args.batch_size, device)
-                with torch.no_grad():
-                    next_state_actions, next_state_log_pi, _ = actor.get_action(data_next_obs)
-                    qf1_next_target = qf1_target(data_next_obs, next_state_actions)
-                    qf2_next_target = qf2_target(data_next_obs, next_state_actions)
-                    min_qf_next_target = torch.min(qf1_next_target, qf2_next_target) - alpha * next_state_log_pi
-                    next_q_value = data_rewards.flatten() + (1 - data_dones.flatten()) * args.gamma * min_qf_next_target.view(
-                        -1
-                    )
+        if global_step > args.learning_starts:
+            data_obs, data_actions, data_next_obs, data_dones, data_rewards = rb.sample(args.batch_size, device)
+            with torch.no_grad():
+                next_state_actions, next_state_log_pi, _ = actor.get_action(data_next_obs)
+                qf1_next_target = qf1_target(data_next_obs, next_state_actions)
+                qf2_next_target = qf2_target(data_next_obs, next_state_actions)
+                min_qf_next_target = torch.min(qf1_next_target, qf2_next_target) - alpha * next_state_log_pi
+                next_q_value = data_rewards.flatten() + (1 - data_dones.flatten()) * args.gamma * min_qf_next_target.view(-1)
 
-                qf1_a_values = qf1(data_obs, data_actions).view(-1)
-                qf2_a_values = qf2(data_obs, data_actions).view(-1)
-                qf1_loss = F.mse_loss(qf1_a_values, next_q_value)
-                qf2_loss = F.mse_loss(qf2_a_values, next_q_value)
-                qf_loss = qf1_loss + qf2_loss
+            qf1_a_values = qf1(data_obs, data_actions).view(-1)
+            qf2_a_values = qf2(data_obs, data_actions).view(-1)
+            qf1_loss = F.mse_loss(qf1_a_values, next_q_value)
+            qf2_loss = F.mse_loss(qf2_a_values, next_q_value)
+            qf_loss = qf1_loss + qf2_loss
 
-                # optimize the model
-                q_optimizer.zero_grad()
-                qf_loss.backward()
-                q_optimizer.step()
-                updates += 1
+            # optimize the model
+            q_optimizer.zero_grad()
+            qf_loss.backward()
+            q_optimizer.step()
+            updates += 1
 
-                if updates % args.policy_frequency == 0:  # TD 3 Delayed update support
-                    # compensate for the delay by doing 'actor_update_interval' instead of 1
-                    for _ in range(args.policy_frequency):
-                        pi, log_pi, _ = actor.get_action(data_obs)
-                        qf1_pi = qf1(data_obs, pi)
-                        qf2_pi = qf2(data_obs, pi)
-                        min_qf_pi = torch.min(qf1_pi, qf2_pi)
-                        actor_loss = ((alpha * log_pi) - min_qf_pi).mean()
+            if updates % args.policy_frequency == 0:  # TD 3 Delayed update support
+                # compensate for the delay by doing 'actor_update_interval' instead of 1
+                for _ in range(args.policy_frequency):
+                    pi, log_pi, _ = actor.get_action(data_obs)
+                    qf1_pi = qf1(data_obs, pi)
+                    qf2_pi = qf2(data_obs, pi)
+                    min_qf_pi = torch.min(qf1_pi, qf2_pi)
+                    actor_loss = ((alpha * log_pi) - min_qf_pi).mean()
 
-                        actor_optimizer.zero_grad()
-                        actor_loss.backward()
-                        actor_optimizer.step()
+                    actor_optimizer.zero_grad()
+                    actor_loss.backward()
+                    actor_optimizer.step()
 
-                        if args.autotune:
-                            with torch.no_grad():
-                                _, log_pi, _ = actor.get_action(data_obs)
-                            alpha_loss = (-log_alpha.exp() * (log_pi + target_entropy)).mean()
-
-                            a_optimizer.zero_grad()
-                            alpha_loss.backward()
-                            a_optimizer.step()
-                            alpha = log_alpha.exp().item()
-
-                # update the target networks
-                if updates % args.target_network_frequency == 0:
-                    for param, target_param in zip(qf1.parameters(), qf1_target.parameters()):
-                        target_param.data.copy_(args.tau * param.data + (1 - args.tau) * target_param.data)
-                    for param, target_param in zip(qf2.parameters(), qf2_target.parameters()):
-                        target_param.data.copy_(args.tau * param.data + (1 - args.tau) * target_param.data)
-
-            if global_step // LOG_EVERY > (global_step - args.num_envs) // LOG_EVERY or iteration == num_iterations - 1:
-                stats = {}
-                if updates > 0:
-                    stats = {
-                        "losses/qf1_values": qf1_a_values.mean().item(),
-                        "losses/qf2_values": qf2_a_values.mean().item(),
-                        "losses/qf1_loss": qf1_loss.item(),
-                        "losses/qf2_loss": qf2_loss.item(),
-                        "losses/qf_loss": qf_loss.item() / 2.0,
-                    }
-                if updates >= args.policy_frequency:
-                    stats.update({"losses/actor_loss": actor_loss.item(), "losses/alpha": alpha})
                     if args.autotune:
-                        stats["losses/alpha_loss"] = alpha_loss.item()
-                losses = ("losses/qf_loss", "losses/actor_loss", "losses/alpha_loss")
-                bad = [k for k in losses if not math.isfinite(stats.get(k, 0.0))]
-                if bad:
-                    run.stop_reason = f"non-finite {bad[0][len('losses/') :]} {stats[bad[0]]} at step {global_step}"
-                    break
-                run.log(global_step, updates, stats, networks)
-    except KeyboardInterrupt:
-        run.interrupt()
+                        with torch.no_grad():
+                            _, log_pi, _ = actor.get_action(data_obs)
+                        alpha_loss = (-log_alpha.exp() * (log_pi + target_entropy)).mean()
+
+                        a_optimizer.zero_grad()
+                        alpha_loss.backward()
+                        a_optimizer.step()
+                        alpha = log_alpha.exp().item()
+
+            # update the target networks
+            if updates % args.target_network_frequency == 0:
+                for param, target_param in zip(qf1.parameters(), qf1_target.parameters()):
+                    target_param.data.copy_(args.tau * param.data + (1 - args.tau) * target_param.data)
+                for param, target_param in zip(qf2.parameters(), qf2_target.parameters()):
+                    target_param.data.copy_(args.tau * param.data + (1 - args.tau) * target_param.data)
+
+        if global_step // LOG_EVERY > (global_step - args.num_envs) // LOG_EVERY or iteration == num_iterations - 1:
+            stats = {}
+            if updates > 0:
+                stats = {
+                    "losses/qf1_values": qf1_a_values.mean().item(),
+                    "losses/qf2_values": qf2_a_values.mean().item(),
+                    "losses/qf1_loss": qf1_loss.item(),
+                    "losses/qf2_loss": qf2_loss.item(),
+                    "losses/qf_loss": qf_loss.item() / 2.0,
+                }
+            if updates >= args.policy_frequency:
+                stats.update({"losses/actor_loss": actor_loss.item(), "losses/alpha": alpha})
+                if args.autotune:
+                    stats["losses/alpha_loss"] = alpha_loss.item()
+            losses = ("losses/qf_loss", "losses/actor_loss", "losses/alpha_loss")
+            bad = [k for k in losses if not math.isfinite(stats.get(k, 0.0))]
+            if bad:
+                run.stop_reason = f"non-finite {bad[0][len('losses/') :]} {stats[bad[0]]} at step {global_step}"
+                break
+            run.log(global_step, updates, stats, networks)
     envs.close()
     run.finish(global_step, updates, networks, lambda: evaluate(actor, args, run.name, device), device=device.type)
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(cli(Args))

@@ -6,7 +6,7 @@ entropy tuning of https://arxiv.org/abs/1812.05905) with the details and default
 changes is where the time goes: the twin critics are one batched call of SoftQNetwork's forward
 over their stacked parameters (torch.func.vmap), the target update is one `lerp_`, the replay
 buffer lives on the training device and is gathered inside the update, each update (gather,
-forward, backward, Adam) is one function that compiles to one graph, the actor's step never
+forward, backward, optimizers.Adam) is one function that compiles to one graph, the actor's step never
 computes the critics' weight gradients, and nothing syncs the host with the device between two
 log points.
 
@@ -27,30 +27,15 @@ import torch
 import torch._inductor.config
 import torch.nn as nn
 import torch.nn.functional as F
-import tyro
 from tensordict import from_module
 from tensordict.nn import CudaGraphModule
 
-from leanrl_utils import (
-    Adam,
-    ReplayBuffer,
-    Resumable,
-    check_args,
-    fail,
-    finish_seeds,
-    log_episodes,
-    log_seeds,
-    real_next_obs,
-    seed_runs,
-    seeds_forward,
-    speed_toggles,
-    stack_seeds,
-    value_guards,
-)
+from leanrl_utils import checks, cli, fail, optimizers, resume, seeds, speed, vector
+from leanrl_utils.buffers import ReplayBuffer
 
 
 @dataclass
-class Args(Resumable):
+class Args(resume.Flags):
     # common
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
@@ -200,14 +185,14 @@ def make_update(actor, qf, target_params, alpha, q_optimizer, actor_optimizer, a
     of `q_optimizer`, and `target_params` for their targets) on the rows `idx` of the replay storage;
     update_actor(idx): one of the actor, and of log alpha when `a_optimizer` is given (--autotune),
     updating the tensor `alpha` in place (no host sync, no recompile). Gradients come from
-    torch.func and the steps from `Adam`, so that each update (gather, forward, backward, Adam) is
+    torch.func and the steps from `optimizers.Adam`, so that each update (gather, forward, backward, optimizers.Adam) is
     one graph under torch.compile. Each returns its METRICS as one tensor that stays on the device."""
     action_scale, action_bias = actor.action_scale, actor.action_bias
     target_entropy = -float(action_scale.numel())
     q_params, actor_params = q_optimizer.params, actor_optimizer.params
     target = dict(target_params.items())  # the very tensors lerp_ updates
     # Both Q-networks in one call: SoftQNetwork's own forward over their stacked parameters.
-    critic = seeds_forward(qf, shared=(0, 1))
+    critic = seeds.forward(qf, shared=(0, 1))
 
     def critic_loss(q_params, obs, actions, next_q_value):
         q_a_values = critic(q_params, obs, actions).view(2, -1)
@@ -322,7 +307,8 @@ def evaluate(actor, args, run_name, device):
 
 
 def main(args: Args):
-    check_args(args)
+    resumed = resume.read(args, __file__)
+    checks.flags(args)
     if args.batch_size > args.buffer_size:
         fail(f"--batch-size {args.batch_size} is larger than --buffer-size {args.buffer_size}: make the buffer hold a batch")
     if args.num_envs > args.buffer_size:
@@ -331,14 +317,14 @@ def main(args: Args):
             "make the buffer hold a step of every env"
         )
     num_iterations = args.total_timesteps // args.num_envs
-    runs = seed_runs(args, num_iterations * args.num_envs, __file__)
+    runs = seeds.runs(args, num_iterations * args.num_envs, __file__, resumed)
     run = runs[0]
 
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
-    device, cudagraphs = speed_toggles(args)
+    device, cudagraphs = speed.setup(args)
 
     envs = make_envs(args, run.name, args.num_envs, args.capture_video)
     envs.action_space.seed(args.seed)
@@ -358,17 +344,17 @@ def main(args: Args):
     alpha = log_alpha.detach().exp()
     # The two Q-networks' parameters stacked (qf1 and qf2 become views of their halves, for
     # checkpoints), and their targets as its copy: the Polyak update is one lerp_.
-    q_params = stack_seeds([qf1, qf2])
+    q_params = seeds.stack([qf1, qf2])
     target_params = q_params.clone()
     actor_detach = Actor(n_obs, n_act, action_low, action_high, device="meta")
     from_module(actor).data.to_module(actor_detach)
-    # Adam: fused (one kernel for all parameters) when the updates run eager; the single-tensor
+    # optimizers.Adam: fused (one kernel for all parameters) when the updates run eager; the single-tensor
     # loop, which inductor fuses into the update's graph, when they are compiled. On CUDA its
     # step counts live on the device (capturable): no host sync, and CUDA graphs can capture it.
     opt = dict(fused=not args.compile, capturable=device.type == "cuda")
-    q_optimizer = Adam(q_params.items(), args.q_lr, **opt)
-    actor_optimizer = Adam(actor.named_parameters(), args.policy_lr, **opt)
-    a_optimizer = Adam([("log_alpha", log_alpha)], args.q_lr, **opt) if args.autotune else None
+    q_optimizer = optimizers.Adam(q_params.items(), args.q_lr, **opt)
+    actor_optimizer = optimizers.Adam(actor.named_parameters(), args.policy_lr, **opt)
+    a_optimizer = optimizers.Adam([("log_alpha", log_alpha)], args.q_lr, **opt) if args.autotune else None
 
     # Before learning starts, steps go to the device in blocks of up to LOG_EVERY steps; after,
     # each update's sample copies the one step staged since the last.
@@ -383,7 +369,7 @@ def main(args: Args):
     update_critic, update_actor = make_update(
         actor, qf1, target_params, alpha, q_optimizer, actor_optimizer, a_optimizer, rb.storage, args.gamma
     )
-    # --compile: each update is one graph (gather, forward, torch.func backward, Adam), which
+    # --compile: each update is one graph (gather, forward, torch.func backward, optimizers.Adam), which
     # loss.backward() and optim.Adam would break into several. The policy, for one observation,
     # only on CUDA, where kernel launches bound these small networks: on a CPU its guards cost more
     # than fusion saves.
@@ -392,10 +378,10 @@ def main(args: Args):
             # The action noise inside the compiled updates comes from torch's own kernel, much
             # faster on a CPU than inductor's, and the same numbers as an eager update draws.
             torch._inductor.config.fallback_random = True
-        update_critic = torch.compile(update_critic, fullgraph=True, options={"guard_filter_fn": value_guards})
-        update_actor = torch.compile(update_actor, fullgraph=True, options={"guard_filter_fn": value_guards})
+        update_critic = torch.compile(update_critic, fullgraph=True, options={"guard_filter_fn": speed.value_guards})
+        update_actor = torch.compile(update_actor, fullgraph=True, options={"guard_filter_fn": speed.value_guards})
         if device.type == "cuda":
-            policy = torch.compile(policy, options={"guard_filter_fn": value_guards})
+            policy = torch.compile(policy, options={"guard_filter_fn": speed.value_guards})
     if cudagraphs:
         update_critic = CudaGraphModule(update_critic)
         update_actor = CudaGraphModule(update_actor)
@@ -404,58 +390,61 @@ def main(args: Args):
     global_step = updates = 0
     critic_metrics = actor_metrics = None
     obs, _ = envs.reset(seed=args.seed)
-    optimizers = {"q_optimizer": q_optimizer, "actor_optimizer": actor_optimizer, "a_optimizer": args.autotune and a_optimizer}
+    optimizer_states = {
+        "q_optimizer": q_optimizer,
+        "actor_optimizer": actor_optimizer,
+        "a_optimizer": args.autotune and a_optimizer,
+    }
     objects = {"actor": actor, "entropy": entropy, "alpha": alpha, "q_params": q_params, "target_params": target_params}
-    objects |= {**optimizers, "rb": rb, "envs": envs}
+    objects |= {**optimizer_states, "rb": rb, "envs": envs}
     loop = lambda: (global_step, updates, obs, critic_metrics, actor_metrics)
     global_step, updates, obs, critic_metrics, actor_metrics = run.resume(objects, loop, device)
-    try:
-        # Gradients come from torch.func inside the updates, which this context does not reach.
-        with torch.no_grad():
-            for iteration in run.iterations(global_step // args.num_envs, num_iterations):
-                if global_step < args.learning_starts:
-                    actions = envs.action_space.sample()
-                else:
-                    if cudagraphs:
-                        torch.compiler.cudagraph_mark_step_begin()
-                    # note: .cpu() is a CPU-GPU sync point on CUDA, which the host env needs anyway
-                    actions = policy(torch.as_tensor(obs, device=device, dtype=torch.float)).cpu().numpy()
-                next_obs, rewards, terminations, truncations, infos = envs.step(actions)
-                global_step += args.num_envs
-                log_episodes(runs, global_step, infos, args.num_envs)
+    # Gradients come from torch.func inside the updates, which this context does not reach.
+    with torch.no_grad():
+        for iteration in range(global_step // args.num_envs, num_iterations):
+            if run.checkpoint(iteration):  # a stop signal, or --checkpoint-every: resume.pt
+                break
+            if global_step < args.learning_starts:
+                actions = envs.action_space.sample()
+            else:
+                if cudagraphs:
+                    torch.compiler.cudagraph_mark_step_begin()
+                # note: .cpu() is a CPU-GPU sync point on CUDA, which the host env needs anyway
+                actions = policy(torch.as_tensor(obs, device=device, dtype=torch.float)).cpu().numpy()
+            next_obs, rewards, terminations, truncations, infos = envs.step(actions)
+            global_step += args.num_envs
+            seeds.episodes(runs, global_step, infos, args.num_envs)
 
-                # The done flag is the termination only: a time-limit truncation still bootstraps
-                # from the true last observation (see make_envs for the autoreset).
-                real_next = real_next_obs(next_obs, infos)
-                rb.add(obs=obs, actions=actions, rewards=rewards, next_obs=real_next, dones=terminations)
-                obs = next_obs
+            # The done flag is the termination only: a time-limit truncation still bootstraps
+            # from the true last observation (see make_envs for the autoreset).
+            real_next = vector.real_next_obs(next_obs, infos)
+            rb.add(obs=obs, actions=actions, rewards=rewards, next_obs=real_next, dones=terminations)
+            obs = next_obs
 
-                if global_step > args.learning_starts:
-                    idx = rb.sample(args.batch_size)
-                    # Graphed outputs are overwritten by the next call; only the latest is read.
-                    if cudagraphs:
-                        torch.compiler.cudagraph_mark_step_begin()
-                    critic_metrics = update_critic(idx)
-                    updates += 1
-                    if updates % args.policy_frequency == 0:  # TD 3 Delayed update support
-                        # compensate for the delay by doing 'actor_update_interval' instead of 1
-                        for _ in range(args.policy_frequency):
-                            if cudagraphs:
-                                torch.compiler.cudagraph_mark_step_begin()
-                            actor_metrics = update_actor(idx)
-                    if updates % args.target_network_frequency == 0:
-                        target_params.lerp_(q_params, args.tau)
+            if global_step > args.learning_starts:
+                idx = rb.sample(args.batch_size)
+                # Graphed outputs are overwritten by the next call; only the latest is read.
+                if cudagraphs:
+                    torch.compiler.cudagraph_mark_step_begin()
+                critic_metrics = update_critic(idx)
+                updates += 1
+                if updates % args.policy_frequency == 0:  # TD 3 Delayed update support
+                    # compensate for the delay by doing 'actor_update_interval' instead of 1
+                    for _ in range(args.policy_frequency):
+                        if cudagraphs:
+                            torch.compiler.cudagraph_mark_step_begin()
+                        actor_metrics = update_actor(idx)
+                if updates % args.target_network_frequency == 0:
+                    target_params.lerp_(q_params, args.tau)
 
-                if global_step // LOG_EVERY > (global_step - args.num_envs) // LOG_EVERY or iteration == num_iterations - 1:
-                    # note: the loop's only host sync is here, at the log points
-                    metrics = [m for m in (critic_metrics, actor_metrics) if m is not None] or [torch.empty(0)]
-                    metrics = torch.cat(metrics)
-                    if not log_seeds(runs, global_step, updates, metrics.unsqueeze(1), METRICS[: len(metrics)], [networks]):
-                        break
-    except KeyboardInterrupt:
-        run.interrupt()
+            if global_step // LOG_EVERY > (global_step - args.num_envs) // LOG_EVERY or iteration == num_iterations - 1:
+                # note: the loop's only host sync is here, at the log points
+                metrics = [m for m in (critic_metrics, actor_metrics) if m is not None] or [torch.empty(0)]
+                metrics = torch.cat(metrics)
+                if not seeds.log(runs, global_step, updates, metrics.unsqueeze(1), METRICS[: len(metrics)], [networks]):
+                    break
     envs.close()
-    finish_seeds(
+    seeds.finish(
         runs, global_step, updates, [networks],
         lambda nets, seed_args, name: evaluate(nets["actor"], seed_args, name, device),
         device=device.type, cudagraphs=cudagraphs,
@@ -463,4 +452,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(cli(Args))

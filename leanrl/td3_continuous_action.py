@@ -24,13 +24,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
-import tyro
 
-from leanrl_utils import Resumable, Run, check_args, check_memory, fail, real_next_obs
+from leanrl_utils import Run, checks, cli, fail, resume, vector
 
 
 @dataclass
-class Args(Resumable):
+class Args(resume.Flags):
     # common
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
@@ -131,7 +130,7 @@ def make_envs(args, run_name, num_envs, capture_video=False):
     return envs
 
 
-def crossings(step: int, n: int, every: int) -> int:
+def multiples_passed(step: int, n: int, every: int) -> int:
     """How many multiples of `every` the step counter passed going from step - n to step: with
     several envs the counter moves by num_envs at a time."""
     return step // every - (step - n) // every
@@ -175,7 +174,7 @@ class ReplayBuffer:
     """A ring buffer of transitions in numpy arrays on the host, sampled uniformly."""
 
     def __init__(self, buffer_size, n_obs, n_act):
-        check_memory(buffer_size * (2 * n_obs + n_act + 2) * 4, torch.device("cpu"), f"--buffer-size {buffer_size}")
+        checks.memory(buffer_size * (2 * n_obs + n_act + 2) * 4, torch.device("cpu"), f"--buffer-size {buffer_size}")
         self.obs = np.zeros((buffer_size, n_obs), dtype=np.float32)
         self.actions = np.zeros((buffer_size, n_act), dtype=np.float32)
         self.rewards = np.zeros(buffer_size, dtype=np.float32)
@@ -217,7 +216,8 @@ def evaluate(actor, args, run_name, device):
 
 
 def main(args: Args):
-    check_args(args)
+    resumed = resume.read(args, __file__)
+    checks.flags(args)
     if args.batch_size > args.buffer_size:
         fail(f"--batch-size {args.batch_size} is larger than --buffer-size {args.buffer_size}: make the buffer hold a batch")
     if args.num_envs > args.buffer_size:
@@ -226,7 +226,7 @@ def main(args: Args):
             "make the buffer hold one step of every env"
         )
     num_iterations = args.total_timesteps // args.num_envs
-    run = Run(args, num_iterations * args.num_envs, __file__)
+    run = Run(args, num_iterations * args.num_envs, __file__, resumed)
 
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -268,84 +268,83 @@ def main(args: Args):
     last = lambda: (qf1_a_values, qf2_a_values, qf1_loss, qf2_loss, qf_loss, actor_loss)
     global_step, updates, obs, saved = run.resume(objects, lambda: (global_step, updates, obs, last()), device)
     qf1_a_values, qf2_a_values, qf1_loss, qf2_loss, qf_loss, actor_loss = saved
-    try:
-        for iteration in run.iterations(global_step // args.num_envs, num_iterations):
-            if global_step < args.learning_starts:
-                actions = envs.action_space.sample()
-            else:
-                with torch.no_grad():
-                    actions = actor(torch.Tensor(obs).to(device))
-                    # One draw per env (CleanRL's torch.normal(0, scale) draws one for all envs).
-                    actions += torch.randn_like(actions) * actor.action_scale * args.exploration_noise
-                    actions = actions.cpu().numpy().clip(low, high)
+    for iteration in range(global_step // args.num_envs, num_iterations):
+        if run.checkpoint(iteration):  # a stop signal, or --checkpoint-every: resume.pt
+            break
+        if global_step < args.learning_starts:
+            actions = envs.action_space.sample()
+        else:
+            with torch.no_grad():
+                actions = actor(torch.Tensor(obs).to(device))
+                # One draw per env (CleanRL's torch.normal(0, scale) draws one for all envs).
+                actions += torch.randn_like(actions) * actor.action_scale * args.exploration_noise
+                actions = actions.cpu().numpy().clip(low, high)
 
-            next_obs, rewards, terminations, truncations, infos = envs.step(actions)
-            global_step += args.num_envs
-            run.episodes(global_step, infos)
+        next_obs, rewards, terminations, truncations, infos = envs.step(actions)
+        global_step += args.num_envs
+        run.episodes(global_step, infos)
 
-            # The done flag is the termination only: a time-limit truncation still bootstraps
-            # from the true last observation (see make_envs for the autoreset).
-            rb.add(obs, actions, rewards, real_next_obs(next_obs, infos), terminations)
-            obs = next_obs
+        # The done flag is the termination only: a time-limit truncation still bootstraps
+        # from the true last observation (see make_envs for the autoreset).
+        rb.add(obs, actions, rewards, vector.real_next_obs(next_obs, infos), terminations)
+        obs = next_obs
 
-            if global_step > args.learning_starts:
-                data_obs, data_actions, data_rewards, data_next_obs, data_dones = rb.sample(args.batch_size, device)
-                with torch.no_grad():
-                    noise = (torch.randn_like(data_actions) * args.policy_noise).clamp(-args.noise_clip, args.noise_clip)
-                    clipped_noise = noise * target_actor.action_scale
-                    next_state_actions = (target_actor(data_next_obs) + clipped_noise).clamp(action_low, action_high)
-                    qf1_next_target = qf1_target(data_next_obs, next_state_actions)
-                    qf2_next_target = qf2_target(data_next_obs, next_state_actions)
-                    min_qf_next_target = torch.min(qf1_next_target, qf2_next_target)
-                    next_q_value = data_rewards + (1 - data_dones) * args.gamma * min_qf_next_target.view(-1)
+        if global_step > args.learning_starts:
+            data_obs, data_actions, data_rewards, data_next_obs, data_dones = rb.sample(args.batch_size, device)
+            with torch.no_grad():
+                noise = (torch.randn_like(data_actions) * args.policy_noise).clamp(-args.noise_clip, args.noise_clip)
+                clipped_noise = noise * target_actor.action_scale
+                next_state_actions = (target_actor(data_next_obs) + clipped_noise).clamp(action_low, action_high)
+                qf1_next_target = qf1_target(data_next_obs, next_state_actions)
+                qf2_next_target = qf2_target(data_next_obs, next_state_actions)
+                min_qf_next_target = torch.min(qf1_next_target, qf2_next_target)
+                next_q_value = data_rewards + (1 - data_dones) * args.gamma * min_qf_next_target.view(-1)
 
-                qf1_a_values = qf1(data_obs, data_actions).view(-1)
-                qf2_a_values = qf2(data_obs, data_actions).view(-1)
-                qf1_loss = F.mse_loss(qf1_a_values, next_q_value)
-                qf2_loss = F.mse_loss(qf2_a_values, next_q_value)
-                qf_loss = qf1_loss + qf2_loss
+            qf1_a_values = qf1(data_obs, data_actions).view(-1)
+            qf2_a_values = qf2(data_obs, data_actions).view(-1)
+            qf1_loss = F.mse_loss(qf1_a_values, next_q_value)
+            qf2_loss = F.mse_loss(qf2_a_values, next_q_value)
+            qf_loss = qf1_loss + qf2_loss
 
-                q_optimizer.zero_grad()
-                qf_loss.backward()
-                q_optimizer.step()
-                updates += 1
+            q_optimizer.zero_grad()
+            qf_loss.backward()
+            q_optimizer.step()
+            updates += 1
 
-                # Counted in updates, not env steps, so that --num-envs keeps the delay.
-                if updates % args.policy_frequency == 0:
-                    actor_loss = -qf1(data_obs, actor(data_obs)).mean()
-                    actor_optimizer.zero_grad()
-                    actor_loss.backward()
-                    actor_optimizer.step()
+            # Counted in updates, not env steps, so that --num-envs keeps the delay.
+            if updates % args.policy_frequency == 0:
+                actor_loss = -qf1(data_obs, actor(data_obs)).mean()
+                actor_optimizer.zero_grad()
+                actor_loss.backward()
+                actor_optimizer.step()
 
-                    # update the target network
-                    for param, target_param in zip(actor.parameters(), target_actor.parameters()):
-                        target_param.data.copy_(args.tau * param.data + (1 - args.tau) * target_param.data)
-                    for param, target_param in zip(qf1.parameters(), qf1_target.parameters()):
-                        target_param.data.copy_(args.tau * param.data + (1 - args.tau) * target_param.data)
-                    for param, target_param in zip(qf2.parameters(), qf2_target.parameters()):
-                        target_param.data.copy_(args.tau * param.data + (1 - args.tau) * target_param.data)
+                # update the target network
+                for param, target_param in zip(actor.parameters(), target_actor.parameters()):
+                    target_param.data.copy_(args.tau * param.data + (1 - args.tau) * target_param.data)
+                for param, target_param in zip(qf1.parameters(), qf1_target.parameters()):
+                    target_param.data.copy_(args.tau * param.data + (1 - args.tau) * target_param.data)
+                for param, target_param in zip(qf2.parameters(), qf2_target.parameters()):
+                    target_param.data.copy_(args.tau * param.data + (1 - args.tau) * target_param.data)
 
-            if crossings(global_step, args.num_envs, LOG_EVERY) or iteration == num_iterations - 1:
-                stats = {}
-                if qf_loss is not None:
-                    stats = {
-                        "losses/qf1_values": qf1_a_values.mean().item(),
-                        "losses/qf2_values": qf2_a_values.mean().item(),
-                        "losses/qf1_loss": qf1_loss.item(),
-                        "losses/qf2_loss": qf2_loss.item(),
-                        "losses/qf_loss": qf_loss.item() / 2.0,
-                        "losses/actor_loss": actor_loss.item(),
-                    }
-                bad = [k for k in ("losses/qf_loss", "losses/actor_loss") if k in stats and not math.isfinite(stats[k])]
-                if bad:
-                    run.stop_reason = f"non-finite {bad[0][len('losses/') :]} {stats[bad[0]]} at step {global_step}"
-                    break
-                run.log(global_step, updates, stats, networks)
-    except KeyboardInterrupt:
-        run.interrupt()
+        if multiples_passed(global_step, args.num_envs, LOG_EVERY) or iteration == num_iterations - 1:
+            stats = {}
+            if qf_loss is not None:
+                stats = {
+                    "losses/qf1_values": qf1_a_values.mean().item(),
+                    "losses/qf2_values": qf2_a_values.mean().item(),
+                    "losses/qf1_loss": qf1_loss.item(),
+                    "losses/qf2_loss": qf2_loss.item(),
+                    "losses/qf_loss": qf_loss.item() / 2.0,
+                    "losses/actor_loss": actor_loss.item(),
+                }
+            bad = [k for k in ("losses/qf_loss", "losses/actor_loss") if k in stats and not math.isfinite(stats[k])]
+            if bad:
+                run.stop_reason = f"non-finite {bad[0][len('losses/') :]} {stats[bad[0]]} at step {global_step}"
+                break
+            run.log(global_step, updates, stats, networks)
     envs.close()
     run.finish(global_step, updates, networks, lambda: evaluate(actor, args, run.name, device), device=device.type)
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(cli(Args))

@@ -5,7 +5,7 @@ https://arxiv.org/abs/1802.09477), learning as the plain `td3_continuous_action.
 does: clipped double-Q learning with twin critics, delayed policy and target updates, and target
 policy smoothing. What changes is where the time goes: the replay buffer lives on the device and
 is gathered inside the update, the twin critics run as one batched call of QNetwork over their
-stacked parameters, each update (gather, target, both losses, backward, Adam) compiles to one
+stacked parameters, each update (gather, target, both losses, backward, optimizers.Adam) compiles to one
 graph, the targets move by one lerp_, and nothing syncs the host with the device between two log
 points.
 
@@ -26,30 +26,15 @@ import torch
 import torch._inductor.config
 import torch.nn as nn
 import torch.nn.functional as F
-import tyro
 from tensordict import TensorDict, from_module
 from tensordict.nn import CudaGraphModule
 
-from leanrl_utils import (
-    Adam,
-    ReplayBuffer,
-    Resumable,
-    check_args,
-    fail,
-    finish_seeds,
-    log_episodes,
-    log_seeds,
-    real_next_obs,
-    seed_runs,
-    seeds_forward,
-    speed_toggles,
-    stack_seeds,
-    value_guards,
-)
+from leanrl_utils import checks, cli, fail, optimizers, resume, seeds, speed, vector
+from leanrl_utils.buffers import ReplayBuffer
 
 
 @dataclass
-class Args(Resumable):
+class Args(resume.Flags):
     # common
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
@@ -165,25 +150,25 @@ class Actor(nn.Module):
 def make_critics(q_network):
     """The twin critics, both QNetwork's own forward (torch.func over `q_network`, so that an edit
     of QNetwork reaches the update): `critic(params, obs, actions)` -> [2, batch, 1] from their
-    parameters stacked by `stack_seeds`, one batched call for both; `first_critic`, the first alone
+    parameters stacked by `seeds.stack`, one batched call for both; `first_critic`, the first alone
     -> [batch, 1]."""
 
     def first_critic(params, obs, actions):
         return torch.func.functional_call(q_network, {name: p[0] for name, p in params.items()}, (obs, actions))
 
-    return seeds_forward(q_network, shared=(0, 1)), first_critic
+    return seeds.forward(q_network, shared=(0, 1)), first_critic
 
 
 def make_update(q_network, actor, target_actor, q_optimizer, actor_optimizer, q_target_params, storage, action_bounds, args):
     """The two update steps on the minibatch at rows `idx` of the replay storage: the critics
     only, and the critics then the actor (every `policy_frequency`-th); two functions, as a flag
-    would compile the same code twice. Gradients come from torch.func and the steps from `Adam`,
+    would compile the same code twice. Gradients come from torch.func and the steps from `optimizers.Adam`,
     so that each update is one graph. Returns the metrics as one tensor that stays on the device,
     in the order of METRICS."""
     gamma, policy_noise, noise_clip = args.gamma, args.policy_noise, args.noise_clip
     action_low, action_high = action_bounds
     critic, first_critic = make_critics(q_network)
-    # What torch.func differentiates with respect to: the detached parameters that Adam updates
+    # What torch.func differentiates with respect to: the detached parameters that optimizers.Adam updates
     # in place (the modules' parameters share their storage).
     q_params, actor_params = q_optimizer.params, actor_optimizer.params
 
@@ -224,7 +209,7 @@ def make_update(q_network, actor, target_actor, q_optimizer, actor_optimizer, q_
     return update_critic, update_critic_and_actor
 
 
-# The losses first: a non-finite one is reported by the first name (log_seeds).
+# The losses first: a non-finite one is reported by the first name (seeds.log).
 METRICS = [
     "losses/qf_loss",
     "losses/qf1_loss",
@@ -238,7 +223,7 @@ METRICS = [
 def make_policy(actor, exploration_noise, action_low, action_high):
     """Acting: the deterministic action plus Gaussian exploration noise, drawn on the device.
     `actor` runs on detached views of the trained parameters: no autograd bookkeeping per step,
-    and every Adam step is seen at once."""
+    and every optimizers.Adam step is seen at once."""
 
     def policy(obs):
         action = actor(obs)
@@ -278,7 +263,7 @@ def make_envs(args, run_name, num_envs, capture_video=False):
     return envs
 
 
-def crossings(step: int, n: int, every: int) -> int:
+def multiples_passed(step: int, n: int, every: int) -> int:
     """How many multiples of `every` the step counter passed going from step - n to step: with
     several envs the counter moves by num_envs at a time."""
     return step // every - (step - n) // every
@@ -301,7 +286,8 @@ def evaluate(actor, args, run_name, device):
 
 
 def main(args: Args):
-    check_args(args)
+    resumed = resume.read(args, __file__)
+    checks.flags(args)
     if args.batch_size > args.buffer_size:
         fail(f"--batch-size {args.batch_size} is larger than --buffer-size {args.buffer_size}: make the buffer hold a batch")
     if args.num_envs > args.buffer_size:
@@ -310,8 +296,8 @@ def main(args: Args):
             "make the buffer hold one step of every env"
         )
     num_iterations = args.total_timesteps // args.num_envs
-    device, cudagraphs = speed_toggles(args)
-    runs = seed_runs(args, num_iterations * args.num_envs, __file__)
+    device, cudagraphs = speed.setup(args)
+    runs = seeds.runs(args, num_iterations * args.num_envs, __file__, resumed)
     run = runs[0]
 
     random.seed(args.seed)
@@ -332,18 +318,18 @@ def main(args: Args):
     if args.load_model:
         run.load(networks)
     # The twin critics' parameters stacked [2, ...]; qf1 and qf2 view its slices (checkpoints).
-    q_params = stack_seeds([qf1, qf2])
+    q_params = seeds.stack([qf1, qf2])
     params = TensorDict(actor=from_module(actor).data, qnet=q_params)
     target_params = params.clone()
     actor_detach, target_actor = Actor(n_obs, n_act, low, high, device="meta"), Actor(n_obs, n_act, low, high, device="meta")
     params["actor"].to_module(actor_detach)
     target_params["actor"].to_module(target_actor)
-    # Adam: fused (one kernel for all parameters) eager; the single-tensor loop, which inductor
+    # optimizers.Adam: fused (one kernel for all parameters) eager; the single-tensor loop, which inductor
     # fuses into the update's graph, compiled. On CUDA its step counts stay on the device
     # (capturable): no host sync per step, and CUDA graphs can capture it.
     adam_options = {"fused": not args.compile, "capturable": device.type == "cuda"}
-    q_optimizer = Adam(q_params.items(), args.learning_rate, **adam_options)
-    actor_optimizer = Adam(actor.named_parameters(), args.learning_rate, **adam_options)
+    q_optimizer = optimizers.Adam(q_params.items(), args.learning_rate, **adam_options)
+    actor_optimizer = optimizers.Adam(actor.named_parameters(), args.learning_rate, **adam_options)
 
     # Before learning starts, blocks of up to LOG_EVERY steps go to the device at once; then each
     # update's sample copies its step.
@@ -369,7 +355,7 @@ def main(args: Args):
             # Inductor's own CPU kernel for random numbers is far slower than torch's; torch's
             # also draws what an eager update draws.
             torch._inductor.config.fallback_random = True
-        options = {"guard_filter_fn": value_guards}
+        options = {"guard_filter_fn": speed.value_guards}
         update_critic = torch.compile(update_critic, fullgraph=True, options=options)
         update_critic_and_actor = torch.compile(update_critic_and_actor, fullgraph=True, options=options)
         if device.type == "cuda":
@@ -392,47 +378,46 @@ def main(args: Args):
     }
     objects |= {"metrics": metrics, "rb": rb, "envs": envs}
     global_step, updates, obs = run.resume(objects, lambda: (global_step, updates, obs), device)
-    try:
-        # Gradients come from torch.func inside the updates, which this context does not reach.
-        with torch.no_grad():
-            for iteration in run.iterations(global_step // args.num_envs, num_iterations):
-                if global_step < args.learning_starts:
-                    actions = envs.action_space.sample()
+    # Gradients come from torch.func inside the updates, which this context does not reach.
+    with torch.no_grad():
+        for iteration in range(global_step // args.num_envs, num_iterations):
+            if run.checkpoint(iteration):  # a stop signal, or --checkpoint-every: resume.pt
+                break
+            if global_step < args.learning_starts:
+                actions = envs.action_space.sample()
+            else:
+                if cudagraphs:
+                    torch.compiler.cudagraph_mark_step_begin()
+                # note: .cpu() is a CPU-GPU sync point on CUDA, which the host env needs anyway
+                actions = policy(torch.from_numpy(obs).to(device)).cpu().numpy()
+            next_obs, rewards, terminations, truncations, infos = envs.step(actions)
+            global_step += args.num_envs
+            seeds.episodes(runs, global_step, infos, args.num_envs)
+
+            # The done flag is the termination only: a time-limit truncation still bootstraps
+            # from the true last observation (see make_envs for the autoreset).
+            real_next = vector.real_next_obs(next_obs, infos)
+            rb.add(obs=obs, actions=actions, rewards=rewards, next_obs=real_next, dones=terminations)
+            obs = next_obs.astype(np.float32, copy=False)
+
+            if global_step > args.learning_starts:
+                idx = rb.sample(args.batch_size)
+                if cudagraphs:
+                    torch.compiler.cudagraph_mark_step_begin()
+                # Counted in updates, not env steps, so that --num-envs keeps the delay.
+                if (updates + 1) % args.policy_frequency == 0:
+                    metrics.copy_(update_critic_and_actor(idx))
+                    target_params.lerp_(params, args.tau)
                 else:
-                    if cudagraphs:
-                        torch.compiler.cudagraph_mark_step_begin()
-                    # note: .cpu() is a CPU-GPU sync point on CUDA, which the host env needs anyway
-                    actions = policy(torch.from_numpy(obs).to(device)).cpu().numpy()
-                next_obs, rewards, terminations, truncations, infos = envs.step(actions)
-                global_step += args.num_envs
-                log_episodes(runs, global_step, infos, args.num_envs)
+                    metrics[:-1].copy_(update_critic(idx))
+                updates += 1
 
-                # The done flag is the termination only: a time-limit truncation still bootstraps
-                # from the true last observation (see make_envs for the autoreset).
-                real_next = real_next_obs(next_obs, infos)
-                rb.add(obs=obs, actions=actions, rewards=rewards, next_obs=real_next, dones=terminations)
-                obs = next_obs.astype(np.float32, copy=False)
-
-                if global_step > args.learning_starts:
-                    idx = rb.sample(args.batch_size)
-                    if cudagraphs:
-                        torch.compiler.cudagraph_mark_step_begin()
-                    # Counted in updates, not env steps, so that --num-envs keeps the delay.
-                    if (updates + 1) % args.policy_frequency == 0:
-                        metrics.copy_(update_critic_and_actor(idx))
-                        target_params.lerp_(params, args.tau)
-                    else:
-                        metrics[:-1].copy_(update_critic(idx))
-                    updates += 1
-
-                if crossings(global_step, args.num_envs, LOG_EVERY) or iteration == num_iterations - 1:
-                    # note: the loop's only host sync is here, at the log points
-                    if not log_seeds(runs, global_step, updates, metrics if updates else None, METRICS, [networks]):
-                        break
-    except KeyboardInterrupt:
-        run.interrupt()
+            if multiples_passed(global_step, args.num_envs, LOG_EVERY) or iteration == num_iterations - 1:
+                # note: the loop's only host sync is here, at the log points
+                if not seeds.log(runs, global_step, updates, metrics if updates else None, METRICS, [networks]):
+                    break
     envs.close()
-    finish_seeds(
+    seeds.finish(
         runs, global_step, updates, [networks],
         lambda nets, seed_args, name: evaluate(nets["actor"], seed_args, name, device),
         device=device.type, cudagraphs=cudagraphs,
@@ -440,4 +425,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(cli(Args))

@@ -444,9 +444,9 @@ def ppo_lean_update(lean, agent, args, compiled):
     """A lean PPO script's minibatch update of one agent, eager (fused Adam) or compiled into one
     graph (per-tensor Adam), and the lr tensor it reads."""
     lr = torch.tensor(args.learning_rate)
-    optimizer = leanrl_utils.Adam(agent.named_parameters(), lr, eps=1e-5, fused=not compiled)
+    optimizer = leanrl_utils.optimizers.Adam(agent.named_parameters(), lr, eps=1e-5, fused=not compiled)
     update = lean.make_update(agent, optimizer, args)
-    options = {"guard_filter_fn": leanrl_utils.value_guards}
+    options = {"guard_filter_fn": leanrl_utils.speed.value_guards}
     return (torch.compile(update, fullgraph=True, options=options) if compiled else update), lr
 
 
@@ -539,8 +539,8 @@ def assert_ppo_stack_of_one_is_the_one_agent(lean, single, args, batch, minibatc
     stacked, initial = copy.deepcopy(single), copy.deepcopy(single)
     single_update, single_lr = ppo_lean_update(lean, single, args, compiled=False)
     lr = torch.tensor(args.learning_rate)
-    params = leanrl_utils.stack_seeds([stacked])
-    optimizer = leanrl_utils.Adam(params.items(), lr, eps=1e-5, fused=True)
+    params = leanrl_utils.seeds.stack([stacked])
+    optimizer = leanrl_utils.optimizers.Adam(params.items(), lr, eps=1e-5, fused=True)
     stacked_update = lean.make_update(stacked, optimizer, args, num_seeds=1)
     for idx in ppo_minibatches(generator, len(batch[0]), minibatch_size, 3, (lr, single_lr), args.learning_rate):
         expected = single_update(*batch, idx)

@@ -213,7 +213,7 @@ def loop_policy(lean, q_network, params, num_seeds, host):
     """make_policy as the loop calls it: host observations in, host actions out (the torch form
     behind `host_arrays`, as on a device)."""
     policy = lean.make_policy(q_network, dict(params.items()), num_seeds, host)
-    return policy if host else leanrl_utils.host_arrays(policy, torch.device("cpu"))
+    return policy if host else leanrl_utils.acting.host_arrays(policy, torch.device("cpu"))
 
 
 def module_actions(nets, obs):
@@ -233,7 +233,7 @@ def test_lean_policy_is_greedy_and_draws_explore_below_epsilon(lean, host, num_s
     torch.manual_seed(0)
     n_act = 3
     nets = [lean.QNetwork(4, n_act) for _ in range(num_seeds)]
-    params = leanrl_utils.stack_seeds(nets)
+    params = leanrl_utils.seeds.stack(nets)
     policy = loop_policy(lean, nets[0], params, num_seeds, host)
     obs = torch.randn(num_seeds * 4096, 4)
     with torch.no_grad():
@@ -277,7 +277,7 @@ def test_changed_network_is_followed_by_every_derived_form(lean, num_seeds):
     seed runs the module's own ops (bit for bit); numpy and vmapped seeds within float32 rounding."""
     torch.manual_seed(0)
     nets = [ChangedQNetwork(6, 3) for _ in range(num_seeds)]
-    params = leanrl_utils.stack_seeds(nets)
+    params = leanrl_utils.seeds.stack(nets)
     obs = torch.randn(num_seeds * 512, 6)
     for host in (True, False):
         actions = loop_policy(lean, nets[0], params, num_seeds, host)(obs.numpy())
@@ -285,8 +285,8 @@ def test_changed_network_is_followed_by_every_derived_form(lean, num_seeds):
     blocks = obs.view(num_seeds, -1, 6)
     with torch.no_grad():
         expected = torch.stack([net(block) for net, block in zip(nets, blocks)])
-        q_values = leanrl_utils.seeds_forward(nets[0])(dict(params.items()), blocks)
-        host_q_values = leanrl_utils.numpy_forward(nets[0], dict(params.items()))(blocks.numpy().copy())
+        q_values = leanrl_utils.seeds.forward(nets[0])(dict(params.items()), blocks)
+        host_q_values = leanrl_utils.acting.numpy_forward(nets[0], dict(params.items()))(blocks.numpy().copy())
     exact = dict(rtol=0, atol=0) if num_seeds == 1 else dict(rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(q_values, expected, **exact)
     torch.testing.assert_close(torch.from_numpy(host_q_values), expected, rtol=1e-5, atol=1e-5)
@@ -328,7 +328,7 @@ def test_layer_without_a_numpy_form_is_one_line(lean, capsys):
     module as ever."""
     torch.manual_seed(0)
     nets = [ChangedQNetwork(6, 3, activation=nn.GELU) for _ in range(2)]
-    params = leanrl_utils.stack_seeds(nets)
+    params = leanrl_utils.seeds.stack(nets)
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
         lean.make_policy(nets[0], dict(params.items()), 2, host=True)
@@ -366,8 +366,8 @@ def lean_update(lean, nets, targets, storage, gamma, learning_rate):
     """main's set-up over copies of `nets` and `targets`: stacked parameters (one seed is a stack
     of one), one functional Adam, the update."""
     nets, targets = copy.deepcopy(nets), copy.deepcopy(targets)
-    params, target_params = leanrl_utils.stack_seeds(nets), leanrl_utils.stack_seeds(targets)
-    optimizer = leanrl_utils.Adam(params.items(), learning_rate)
+    params, target_params = leanrl_utils.seeds.stack(nets), leanrl_utils.seeds.stack(targets)
+    optimizer = leanrl_utils.optimizers.Adam(params.items(), learning_rate)
     update = lean.make_update(nets[0], dict(target_params.items()), optimizer, storage, gamma, len(nets))
     return nets, params, target_params, update
 
@@ -420,7 +420,7 @@ def test_compiled_update_matches_eager(lean, num_seeds):
     compiled_nets, compiled_params, compiled_targets, compiled = lean_update(
         lean, nets, targets, storage, args.gamma, args.learning_rate
     )
-    compiled = torch.compile(compiled, options={"guard_filter_fn": leanrl_utils.value_guards, "cpp_wrapper": True})
+    compiled = torch.compile(compiled, options={"guard_filter_fn": leanrl_utils.speed.value_guards, "cpp_wrapper": True})
     for k, idx in enumerate(batches):
         if k == 3:
             # A target update between two steps, done in place as the loop does it: the compiled
@@ -444,7 +444,7 @@ def test_update_compiled_again_with_another_gamma_compiles_anew(lean):
     for gamma in (0.99, 0.5):
         *_, eager = lean_update(lean, nets, targets, storage, gamma, args.learning_rate)
         *_, compiled = lean_update(lean, nets, targets, storage, gamma, args.learning_rate)
-        compiled = torch.compile(compiled, options={"guard_filter_fn": leanrl_utils.value_guards, "cpp_wrapper": True})
+        compiled = torch.compile(compiled, options={"guard_filter_fn": leanrl_utils.speed.value_guards, "cpp_wrapper": True})
         torch.testing.assert_close(compiled(batches[0]), eager(batches[0]), rtol=1e-5, atol=1e-5, msg=f"gamma {gamma}")
 
 

@@ -212,8 +212,8 @@ def update_case(lean, num_seeds, num_envs=2, rows=40):
 
 def lean_update(lean, nets, targets, storage, gamma=0.99, learning_rate=1e-4):
     nets, targets = copy.deepcopy(nets), copy.deepcopy(targets)
-    params, target_params = leanrl_utils.stack_seeds(nets), leanrl_utils.stack_seeds(targets)
-    optimizer = leanrl_utils.Adam(params.items(), learning_rate)
+    params, target_params = leanrl_utils.seeds.stack(nets), leanrl_utils.seeds.stack(targets)
+    optimizer = leanrl_utils.optimizers.Adam(params.items(), learning_rate)
     update = lean.make_update(nets[0], dict(target_params.items()), optimizer, storage, gamma, len(nets))
     return nets, update
 
@@ -261,7 +261,7 @@ def test_compiled_update_matches_eager(lean):
     nets, targets, storage, batches = update_case(lean, 1)
     eager_nets, eager = lean_update(lean, nets, targets, storage)
     compiled_nets, compiled = lean_update(lean, nets, targets, storage)
-    compiled = torch.compile(compiled, options={"guard_filter_fn": leanrl_utils.value_guards, "cpp_wrapper": True})
+    compiled = torch.compile(compiled, options={"guard_filter_fn": leanrl_utils.speed.value_guards, "cpp_wrapper": True})
     for idx in batches:
         torch.testing.assert_close(compiled(idx), eager(idx), rtol=1e-5, atol=1e-5)
     for name, value in eager_nets[0].state_dict().items():
@@ -298,18 +298,18 @@ def test_a_changed_network_acts_as_its_module(lean, monkeypatch, num_seeds, caps
     monkeypatch.setattr(lean, "QNetwork", changed_network(lean))
     torch.manual_seed(0)
     nets = [lean.QNetwork(4) for _ in range(num_seeds)]
-    params = dict(leanrl_utils.stack_seeds(nets).items())
+    params = dict(leanrl_utils.seeds.stack(nets).items())
     policy = lean.make_policy(nets[0], params, num_seeds)
     obs = torch.randint(0, 256, (num_seeds * 5, 4, 84, 84), dtype=torch.uint8)
     with torch.no_grad():
         q_values = torch.cat([net(block) for net, block in zip(nets, obs.view(num_seeds, 5, 4, 84, 84))])
         assert torch.equal(policy(obs), q_values.argmax(1))
-        stacked = leanrl_utils.seeds_forward(nets[0])(params, obs.view(num_seeds, 5, 4, 84, 84)).flatten(0, 1)
+        stacked = leanrl_utils.seeds.forward(nets[0])(params, obs.view(num_seeds, 5, 4, 84, 84)).flatten(0, 1)
         if num_seeds == 1:
             assert torch.equal(stacked, q_values)
         torch.testing.assert_close(stacked, q_values)
     with pytest.raises(SystemExit) as exit_info:
-        leanrl_utils.numpy_forward(nets[0], params)
+        leanrl_utils.acting.numpy_forward(nets[0], params)
     assert exit_info.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "network.0 (Conv2d)" in errors[0], errors

@@ -3,9 +3,11 @@ and exit status 2 before any training; SIGINT and SIGTERM save a finite checkpoi
 summary; checkpoints load as tensors only; the plumbing lives once, in leanrl_utils."""
 
 import contextlib
+import importlib
 import json
 import os
 import pickle
+import pkgutil
 import signal
 import subprocess
 import sys
@@ -114,7 +116,7 @@ def bad_checkpoints(tmp_path, algorithm):
 
 @pytest.mark.parametrize("script", ALL, ids=lambda s: s.stem)
 def test_a_file_that_is_not_this_pairs_checkpoint_is_one_line(script, tmp_path, monkeypatch, capsys):
-    for name, words in bad_checkpoints(tmp_path, leanrl_utils.algorithm_of(script)).items():
+    for name, words in bad_checkpoints(tmp_path, leanrl_utils.checkpoints.algorithm_of(script)).items():
         code = main_in_process(
             load_script(script), "--load-model", tmp_path / name, tmp_path=tmp_path, monkeypatch=monkeypatch
         )
@@ -261,9 +263,10 @@ def test_no_script_writes_the_plumbing_again():
     env wrappers, torchrun helpers) is imported by the scripts, never defined in one of them."""
     import ast
 
-    shared = {name for name, value in vars(leanrl_utils).items() if getattr(value, "__module__", None) == "leanrl_utils"}
+    modules = [importlib.import_module(f"leanrl_utils.{m.name}") for m in pkgutil.iter_modules(leanrl_utils.__path__)]
+    shared = {name for m in modules for name, value in vars(m).items() if getattr(value, "__module__", None) == m.__name__}
     shared |= {"RULES", "COUNTS", "VALUE_GUARDS"}
-    assert {"Run", "fail", "check_args", "load_checkpoint", "Adam", "RAdam", "stack_seeds", "SameStepEnvs"} <= shared
+    assert {"Run", "fail", "flags", "load", "Adam", "RAdam", "stack", "SameStepEnvs", "ReplayBuffer"} <= shared
     for script in ALL:
         tree = ast.parse(script.read_text())
         defined = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}

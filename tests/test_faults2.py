@@ -58,12 +58,16 @@ def test_run_folders_are_made_exclusively_with_a_suffix(taken, tmp_path, monkeyp
     """Runs started in one second with the same env, exp name and seed (a sweep varying only the
     learning rate) each get a folder of their own: runs/<name>, then <name>__2, <name>__3..."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(leanrl_utils, "time", types.SimpleNamespace(time=lambda: 1_000_000.0, perf_counter=time.perf_counter))
+    monkeypatch.setattr(
+        leanrl_utils.run, "time", types.SimpleNamespace(time=lambda: 1_000_000.0, perf_counter=time.perf_counter)
+    )
     args = tiny_args(DQN)
     base = f"runs/{args.env_id}__{args.exp_name}__{args.seed}__1000000"
     for k in range(taken):  # folders of runs started before, in this second
         os.makedirs(base + ("" if k == 0 else f"__{k + 1}"))
     runs = [leanrl_utils.Run(args, 0, DQN) for _ in range(2)]
+    for run in runs:  # the folder is made at the first need: a log point, a save, the end
+        run.open()
     assert [run.dir for run in runs] == [base + ("" if k == 0 else f"__{k + 1}") for k in (taken, taken + 1)]
     assert all(run.name == run.dir.removeprefix("runs/") for run in runs)
     for run in runs:
@@ -73,13 +77,17 @@ def test_run_folders_are_made_exclusively_with_a_suffix(taken, tmp_path, monkeyp
 
 def test_each_seed_gets_a_folder_of_its_own(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(leanrl_utils, "time", types.SimpleNamespace(time=lambda: 1_000_000.0, perf_counter=time.perf_counter))
+    monkeypatch.setattr(
+        leanrl_utils.run, "time", types.SimpleNamespace(time=lambda: 1_000_000.0, perf_counter=time.perf_counter)
+    )
     args = tiny_args(DQN_LEAN, "--num-seeds", 2)
-    sweeps = [leanrl_utils.seed_runs(args, 0, DQN_LEAN) for _ in range(2)]
+    sweeps = [leanrl_utils.seeds.runs(args, 0, DQN_LEAN) for _ in range(2)]
+    for run in (run for runs in sweeps for run in runs):
+        run.open()
     dirs = [run.dir for runs in sweeps for run in runs]
     assert len(set(dirs)) == 4 and all((tmp_path / d).is_dir() for d in dirs), dirs
     for runs in sweeps:
-        leanrl_utils.finish_seeds(runs, 0, 0, [{}, {}], None)
+        leanrl_utils.seeds.finish(runs, 0, 0, [{}, {}], None)
         assert last_json(capsys.readouterr().out)["run_dir"] == runs[0].dir
 
 
@@ -143,10 +151,10 @@ def partial_then(exc):
 )
 def test_atomic_save_leaves_no_tmp_and_the_old_file_whole(exc, tmp_path, monkeypatch):
     path = str(tmp_path / "model.pt")
-    leanrl_utils.atomic_save({"old": torch.ones(2)}, path)
+    leanrl_utils.checkpoints.atomic_save({"old": torch.ones(2)}, path)
     monkeypatch.setattr(torch, "save", partial_then(exc))
     with pytest.raises(type(exc)):
-        leanrl_utils.atomic_save({"new": torch.zeros(2)}, path)
+        leanrl_utils.checkpoints.atomic_save({"new": torch.zeros(2)}, path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]
     assert torch.equal(torch.load(path, weights_only=True)["old"], torch.ones(2))
 
@@ -162,6 +170,7 @@ def test_a_full_disk_at_the_final_save_still_prints_the_summary(code, tmp_path, 
         if not os.path.exists("/dev/full"):
             pytest.skip("no /dev/full on this platform")
         code = errno.ENOSPC
+        run.open()
         os.symlink("/dev/full", f"{run.dir}/dqn.pt.tmp")
     else:
         monkeypatch.setattr(torch, "save", partial_then(OSError(code, os.strerror(code))))
@@ -179,12 +188,12 @@ def test_a_full_disk_at_the_final_save_still_prints_the_summary(code, tmp_path, 
 # Sends `signums` to the script's own process as its final save starts.
 SIGNALS_IN_SAVE = """
 import os, leanrl_utils
-save = leanrl_utils.atomic_save
+save = leanrl_utils.checkpoints.atomic_save
 def signalled_save(obj, path):
     for signum in {signums}:
         os.kill(os.getpid(), signum)
     return save(obj, path)
-leanrl_utils.atomic_save = signalled_save
+leanrl_utils.checkpoints.atomic_save = signalled_save
 """
 
 
@@ -243,9 +252,9 @@ def test_the_seed_limit_counts_seeds_envs_ranks_and_evaluation(world_size, monke
     """seed + WORLD_SIZE + num_seeds * num_envs + 10000 (evaluation's seed) < 2**31."""
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     limit = 2**31 - (world_size + 3 * 2 + 10_000)
-    leanrl_utils.check_args(tiny_args(DQN_LEAN, "--num-seeds", 3, "--num-envs", 2, "--seed", limit - 1))
+    leanrl_utils.checks.flags(tiny_args(DQN_LEAN, "--num-seeds", 3, "--num-envs", 2, "--seed", limit - 1))
     with pytest.raises(SystemExit):
-        leanrl_utils.check_args(tiny_args(DQN_LEAN, "--num-seeds", 3, "--num-envs", 2, "--seed", limit))
+        leanrl_utils.checks.flags(tiny_args(DQN_LEAN, "--num-seeds", 3, "--num-envs", 2, "--seed", limit))
     assert str(limit) in capsys.readouterr().err
 
 
@@ -261,9 +270,9 @@ def test_num_seeds_beyond_the_open_file_limit_is_refused_first(script, tmp_path,
 
 def test_the_open_file_check_counts_files_per_seed(capsys):
     with open_file_limit(1024):
-        leanrl_utils.check_open_files(100)
+        leanrl_utils.checks.open_files(100)
         with pytest.raises(SystemExit):
-            leanrl_utils.check_open_files(100_000)
+            leanrl_utils.checks.open_files(100_000)
     assert "open files" in capsys.readouterr().err
 
 
@@ -335,11 +344,11 @@ def test_num_seeds_summary_is_strict_json(tmp_path, monkeypatch, capsys):
     """Per-seed lists hold null where a value is not finite, never Infinity or NaN."""
     monkeypatch.chdir(tmp_path)
     args = tiny_args(DQN_LEAN, "--num-seeds", 3, "--eval-episodes", 1)
-    runs = leanrl_utils.seed_runs(args, 0, DQN_LEAN)
+    runs = leanrl_utils.seeds.runs(args, 0, DQN_LEAN)
     for run, value in zip(runs, [math.inf, math.nan, 2.0]):
         run.returns.append(value)
     evals = {args.seed: -math.inf, args.seed + 1: math.nan, args.seed + 2: 3.0}
-    leanrl_utils.finish_seeds(runs, 0, 0, [{}] * 3, lambda nets, seed_args, name: evals[seed_args.seed])
+    leanrl_utils.seeds.finish(runs, 0, 0, [{}] * 3, lambda nets, seed_args, name: evals[seed_args.seed])
     summary = last_json(capsys.readouterr().out)
     assert summary["episodic_returns"] == [None, None, 2.0] and summary["eval_returns"] == [None, None, 3.0]
 

@@ -46,13 +46,13 @@ def refused(script, *argv, tmp_path, monkeypatch, capsys):
     for name in ("Run", "seed_runs"):
         if hasattr(module, name):
             monkeypatch.setattr(module, name, started)
-    peak = leanrl_utils.peak_rss_mb()
+    peak = leanrl_utils.summary.peak_rss_mb()
     code = main_in_process(module, *map(str, argv), tmp_path=tmp_path, monkeypatch=monkeypatch)
     out, err = capsys.readouterr()
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 2 and len(errors) == 1 and "Traceback" not in err, (code, err)
     assert out.strip() == "" and not (tmp_path / "runs").exists(), out
-    assert leanrl_utils.peak_rss_mb() < peak + 1024
+    assert leanrl_utils.summary.peak_rss_mb() < peak + 1024
     return errors[0]
 
 
@@ -88,10 +88,10 @@ def test_check_budget_at_its_boundary(budget):
     args = types.SimpleNamespace(total_timesteps=total, learning_starts=starts, num_envs=num_envs)
     if BUDGETS[budget]:
         with pytest.raises(SystemExit):
-            leanrl_utils.check_budget(args)
+            leanrl_utils.checks.budget(args)
     else:
-        leanrl_utils.check_budget(args)
-    leanrl_utils.check_budget(types.SimpleNamespace(total_timesteps=1, num_envs=1))  # on-policy: no such rule
+        leanrl_utils.checks.budget(args)
+    leanrl_utils.checks.budget(types.SimpleNamespace(total_timesteps=1, num_envs=1))  # on-policy: no such rule
 
 
 # ---------------------------------------------------------------- --total-timesteps 0 only evaluates
@@ -157,7 +157,7 @@ CTRL_C_BEFORE_THE_RUN = {
     "parsing-flags": TERMINAL + "import os, signal, time, tyro\n"
     "tyro.cli = lambda *a, **k: (os.kill(os.getpid(), signal.SIGINT), time.sleep(30))",
     "checking-flags": TERMINAL + "import os, signal, time, leanrl_utils\n"
-    "leanrl_utils.check_args = lambda *a, **k: (os.kill(os.getpid(), signal.SIGINT), time.sleep(30))",
+    "leanrl_utils.checks.flags = lambda *a, **k: (os.kill(os.getpid(), signal.SIGINT), time.sleep(30))",
 }
 
 

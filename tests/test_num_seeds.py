@@ -58,10 +58,10 @@ def stacked(lean, nets, targets, storages, learning_rate=2.5e-4):
     """The script's --num-seeds set-up over copies of `nets`, `targets` and `storages`: stacked
     parameters, one Adam, the storage as [buffer_size, seeds, ...], the seeds' update."""
     nets = copy.deepcopy(nets)
-    params = leanrl_utils.stack_seeds(nets)
-    target_params = leanrl_utils.stack_seeds(copy.deepcopy(targets))
+    params = leanrl_utils.seeds.stack(nets)
+    target_params = leanrl_utils.seeds.stack(copy.deepcopy(targets))
     storage = {key: torch.stack([s[key] for s in storages], dim=1) for key in storages[0]}
-    optimizer = leanrl_utils.Adam(params.items(), learning_rate)
+    optimizer = leanrl_utils.optimizers.Adam(params.items(), learning_rate)
     update = lean.make_update(nets[0], dict(target_params.items()), optimizer, storage, 0.99, len(nets))
     return nets, params, target_params, update
 
@@ -83,7 +83,7 @@ def test_stacked_update_is_n_single_updates(lean, compiled):
     seed_nets, params, target_params, update = stacked(lean, nets, targets, storages)
     singles = [single(lean, nets[k], targets[k], storages[k]) for k in range(N)]
     if compiled:
-        update = torch.compile(update, options={"guard_filter_fn": leanrl_utils.value_guards, "cpp_wrapper": True})
+        update = torch.compile(update, options={"guard_filter_fn": leanrl_utils.speed.value_guards, "cpp_wrapper": True})
     for step, idx in enumerate(batches):
         if step == 3:
             target_params.lerp_(params, 1.0)
@@ -133,9 +133,9 @@ def test_changing_one_seed_changes_no_other_seed(lean, change):
 def test_stacked_policy_acts_as_each_seeds_network(lean, host):
     """Sub-env block k acts greedily on seed k's network, in numpy (a CPU) and in torch."""
     nets, _, _, _ = seeds_case(lean)
-    policy = lean.make_policy(nets[0], dict(leanrl_utils.stack_seeds(nets).items()), N, host)
+    policy = lean.make_policy(nets[0], dict(leanrl_utils.seeds.stack(nets).items()), N, host)
     if not host:
-        policy = leanrl_utils.host_arrays(policy, torch.device("cpu"))
+        policy = leanrl_utils.acting.host_arrays(policy, torch.device("cpu"))
     obs = torch.randn(N * 64, N_OBS)
     with torch.no_grad():
         expected = torch.cat([net(block).argmax(dim=1) for net, block in zip(nets, obs.view(N, 64, N_OBS))])
@@ -149,7 +149,7 @@ def test_each_seed_stores_its_own_sub_envs(lean, tmp_path, monkeypatch):
     """With 2 seeds of 2 envs, buffer row i, column k holds the step of sub-env k * 2 + i: its
     action, reward and next observation (where no episode ended there)."""
     steps, adds = [], []
-    step, add = leanrl_utils.SameStepEnvs.step, lean.ReplayBuffer.add
+    step, add = leanrl_utils.vector.SameStepEnvs.step, lean.ReplayBuffer.add
 
     def recording_step(self, actions):
         out = step(self, actions)
@@ -160,7 +160,7 @@ def test_each_seed_stores_its_own_sub_envs(lean, tmp_path, monkeypatch):
         adds.append({key: np.array(value) for key, value in rows.items()})
         return add(self, **rows)
 
-    monkeypatch.setattr(leanrl_utils.SameStepEnvs, "step", recording_step)
+    monkeypatch.setattr(leanrl_utils.vector.SameStepEnvs, "step", recording_step)
     monkeypatch.setattr(lean.ReplayBuffer, "add", recording_add)
     assert main_in_process(lean, "--num-seeds", 2, "--num-envs", 2, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
     assert len(steps) == len(adds) == 200
@@ -258,7 +258,7 @@ def test_ppo_stacked_policy_acts_with_each_seeds_agent(ppo, host):
     agents, _, _ = ppo_case(ppo)
     for k, agent in enumerate(agents):
         agent.actor_logstd.data.fill_(-0.5 * k)
-    params = ppo.stack_seeds(agents)
+    params = ppo.seeds.stack(agents)
     meta = ppo.Agent(P_OBS, P_ACT, device="meta")
     policy = ppo.make_policy(meta, dict(params.items()), N, host)
     obs = torch.randn(N * 5, P_OBS)
@@ -349,7 +349,7 @@ def test_ppo_atari_stacked_policy_acts_with_each_seeds_agent(atari):
     """Sub-env block k gets seed k's value, and the log-probability of its sampled action under
     seed k's logits. Tolerance: torch's float32 default (batched convolutions)."""
     agents, _, _ = atari_case(atari)
-    params = atari.stack_seeds(agents)
+    params = atari.seeds.stack(agents)
     policy = atari.make_policy(atari.Agent(A_ACT, device="meta"), dict(params.items()), A_N)
     obs = torch.randint(0, 256, (A_N * 3, 4, 84, 84), dtype=torch.uint8)
     with torch.no_grad():
@@ -391,7 +391,7 @@ def test_ppo_atari_finished_games_go_to_their_seeds_run(atari):
         "episode": {"r": np.array([1.0, 2.0, 3.0, 4.0]), "l": np.array([10, 20, 30, 40])},
         "_episode": np.array([False, True, True, False]),
     }
-    assert [leanrl_utils.Run.finished(7, leanrl_utils.seed_slice(infos, k, 2)) for k in range(2)] == [
+    assert [leanrl_utils.Run.finished(7, leanrl_utils.seeds.seed_slice(infos, k, 2)) for k in range(2)] == [
         [(7, 2.0, 20)],
         [(7, 3.0, 30)],
     ]
@@ -446,7 +446,7 @@ def assert_rows_hold_their_seeds_sub_envs(batch, observations, actions, num_step
 def test_ppo_atari_each_seed_learns_from_its_own_sub_envs(atari, tmp_path, monkeypatch):
     """With 2 seeds of 2 envs, row k of the update's first batch holds sub-envs 2k and 2k + 1,
     step by step: their frames and the actions taken in them."""
-    frames, actions, batches = record_rollouts(atari, leanrl_utils.RecordEpisodeStatistics, "make_update", monkeypatch)
+    frames, actions, batches = record_rollouts(atari, leanrl_utils.vector.RecordEpisodeStatistics, "make_update", monkeypatch)
     assert main_in_process(atari, "--num-seeds", 2, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
     assert batches[0][0].shape == (2, 32, 4, 84, 84) and batches[0][1].shape == (2, 32)
     assert_rows_hold_their_seeds_sub_envs(batches[0], frames, actions, num_steps=16)
@@ -513,16 +513,24 @@ def ppo_updates(request, script, compiled=False, change=None):
     args = module.Args(**args)
 
     def compile_(update):
-        return torch.compile(update, fullgraph=True, options={"guard_filter_fn": module.value_guards}) if compiled else update
+        return (
+            torch.compile(update, fullgraph=True, options={"guard_filter_fn": module.speed.value_guards})
+            if compiled
+            else update
+        )
 
     seed_agents = copy.deepcopy(agents)
-    params = module.stack_seeds(seed_agents)
+    params = module.seeds.stack(seed_agents)
     stacked = module.make_update(
-        seed_agents[0], module.Adam(params.items(), torch.tensor(lr), eps=1e-5, fused=not compiled), args, 1, len(agents)
+        seed_agents[0],
+        module.optimizers.Adam(params.items(), torch.tensor(lr), eps=1e-5, fused=not compiled),
+        args,
+        1,
+        len(agents),
     )
     singles = []
     for agent in copy.deepcopy(agents):
-        optimizer = module.Adam(agent.named_parameters(), torch.tensor(lr), eps=1e-5, fused=not compiled)
+        optimizer = module.optimizers.Adam(agent.named_parameters(), torch.tensor(lr), eps=1e-5, fused=not compiled)
         singles.append((agent, compile_(module.make_update(agent, optimizer, args))))
     batch = tuple(torch.stack(fields) for fields in zip(*rollouts))
     return module, agents, rollouts, idx, (seed_agents, compile_(stacked), batch), singles
@@ -604,19 +612,21 @@ def pqn_updates(pqn, compiled=False, change=None):
 
     def compile_(update):
         return (
-            torch.compile(update, fullgraph=True, options={"guard_filter_fn": pqn.value_guards, "cpp_wrapper": True})
+            torch.compile(update, fullgraph=True, options={"guard_filter_fn": pqn.speed.value_guards, "cpp_wrapper": True})
             if compiled
             else update
         )
 
     seed_nets = copy.deepcopy(nets)
-    params = pqn.stack_seeds(seed_nets)
-    stacked = pqn.make_update(seed_nets[0], pqn.RAdam(params.items(), torch.tensor(2.5e-4), capturable=compiled), Q_CLIP, N)
+    params = pqn.seeds.stack(seed_nets)
+    stacked = pqn.make_update(
+        seed_nets[0], pqn.optimizers.RAdam(params.items(), torch.tensor(2.5e-4), capturable=compiled), Q_CLIP, N
+    )
     singles = []
     for net in copy.deepcopy(nets):
         # A single run: a stack of one, called with that run's batch and rows.
         single = pqn.make_update(
-            net, pqn.RAdam(pqn.stack_seeds([net]).items(), torch.tensor(2.5e-4), capturable=compiled), Q_CLIP, 1
+            net, pqn.optimizers.RAdam(pqn.seeds.stack([net]).items(), torch.tensor(2.5e-4), capturable=compiled), Q_CLIP, 1
         )
         singles.append(
             (
@@ -678,9 +688,9 @@ def test_pqn_stacked_policy_acts_as_each_seeds_network(pqn, host):
         for norm in (net.network[1], net.network[4]):
             norm.weight.data.uniform_(0.5, 1.5)
             norm.bias.data.normal_()
-    policy = pqn.make_policy(nets[0], dict(pqn.stack_seeds(nets).items()), N, host)
+    policy = pqn.make_policy(nets[0], dict(pqn.seeds.stack(nets).items()), N, host)
     if not host:
-        policy = pqn.host_arrays(policy, torch.device("cpu"))
+        policy = pqn.acting.host_arrays(policy, torch.device("cpu"))
     obs = torch.randn(N * 64, N_OBS)
     with torch.no_grad():
         greedy, value = (torch.from_numpy(x) for x in policy(obs.numpy()))
@@ -692,7 +702,7 @@ def test_pqn_stacked_policy_acts_as_each_seeds_network(pqn, host):
 def test_pqn_each_seed_learns_from_its_own_sub_envs(pqn, tmp_path, monkeypatch):
     """With 2 seeds of 2 envs, row k of the update's first batch holds sub-envs 2k and 2k + 1,
     step by step: their observations and the actions taken in them."""
-    observations, actions, batches = record_rollouts(pqn, pqn.SameStepEnvs, "make_update", monkeypatch)
+    observations, actions, batches = record_rollouts(pqn, pqn.vector.SameStepEnvs, "make_update", monkeypatch)
     assert main_in_process(pqn, "--num-seeds", 2, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
     assert batches[0][0].shape == (2, 128, 4) and batches[0][1].shape == (2, 128)
     assert_rows_hold_their_seeds_sub_envs(batches[0], observations, actions, num_steps=64)
@@ -702,7 +712,7 @@ def test_pqn_seed_k_starts_as_a_single_run_of_seed_k(pqn, tmp_path, monkeypatch)
     """Seed 6 of a two-seed run from seed 5 starts from the weights and the first observations of
     a single run of seed 6."""
     seen = {}
-    stack_seeds, make_policy, reset = pqn.stack_seeds, pqn.make_policy, pqn.SameStepEnvs.reset
+    stack_seeds, make_policy, reset = pqn.seeds.stack, pqn.make_policy, pqn.vector.SameStepEnvs.reset
 
     def recording_stack_seeds(networks):
         if len(networks) > 1:  # a single run stacks its one network too
@@ -719,9 +729,9 @@ def test_pqn_seed_k_starts_as_a_single_run_of_seed_k(pqn, tmp_path, monkeypatch)
         seen.setdefault("obs", []).append(obs.copy())
         return obs, infos
 
-    monkeypatch.setattr(pqn, "stack_seeds", recording_stack_seeds)
+    monkeypatch.setattr(pqn.seeds, "stack", recording_stack_seeds)
     monkeypatch.setattr(pqn, "make_policy", recording_make_policy)
-    monkeypatch.setattr(pqn.SameStepEnvs, "reset", recording_reset)
+    monkeypatch.setattr(pqn.vector.SameStepEnvs, "reset", recording_reset)
     assert main_in_process(pqn, "--num-seeds", 2, "--seed", 5, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
     assert main_in_process(pqn, "--seed", 6, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
     for name, value in seen["single"].items():

@@ -108,11 +108,11 @@ def test_stacked_update_is_n_single_updates(lean, compiled):
     g = torch.Generator().manual_seed(4)
     rollouts = [random_batch(g) for _ in agents]
     seed_agents = copy.deepcopy(agents)
-    params = leanrl_utils.stack_seeds(seed_agents)
-    optimizer = leanrl_utils.Adam(params.items(), torch.tensor(args.learning_rate), eps=1e-5, fused=not compiled)
+    params = leanrl_utils.seeds.stack(seed_agents)
+    optimizer = leanrl_utils.optimizers.Adam(params.items(), torch.tensor(args.learning_rate), eps=1e-5, fused=not compiled)
     stacked = lean.make_update(seed_agents[0], optimizer, args, 3)
     if compiled:
-        stacked = torch.compile(stacked, fullgraph=True, options={"guard_filter_fn": leanrl_utils.value_guards})
+        stacked = torch.compile(stacked, fullgraph=True, options={"guard_filter_fn": leanrl_utils.speed.value_guards})
     singles = [ppo_lean_update(lean, agent, args, compiled)[0] for agent in agents]
     batch = tuple(torch.stack(fields) for fields in zip(*rollouts))
     for _ in range(2):
@@ -140,7 +140,7 @@ def test_policy_samples_the_softmax_and_sees_every_update(lean, host):
     agent = lean.Agent(N_OBS, N_ACT)
     with torch.no_grad():
         agent.actor[4].bias.copy_(torch.tensor([0.5, -1.0, 0.0]))
-    params = dict(leanrl_utils.stack_seeds([agent]).items())
+    params = dict(leanrl_utils.seeds.stack([agent]).items())
     policy = lean.make_policy(agent, params, 1, host, seed=1)
     for _ in range(2):
         obs = torch.randn(64, N_OBS)
@@ -172,7 +172,7 @@ def test_changed_network_is_followed_by_every_derived_form(lean, host, num_seeds
     for bit; numpy and vmapped seeds within float32 rounding (rtol and atol 1e-5)."""
     torch.manual_seed(0)
     agents = [changed_agent(lean)(6, 4) for _ in range(num_seeds)]
-    params = leanrl_utils.stack_seeds(agents)
+    params = leanrl_utils.seeds.stack(agents)
     policy = lean.make_policy(agents[0], dict(params.items()), num_seeds, host, seed=5)
     rng, obs = np.random.default_rng(5), torch.randn(num_seeds * 64, 6)
     exact = dict(rtol=0, atol=0) if num_seeds == 1 and not host else dict(rtol=1e-5, atol=1e-5)
@@ -199,13 +199,13 @@ def test_layer_without_a_numpy_form_is_one_line(lean, monkeypatch, tmp_path, cap
     agents = [gelu_agent(4, 2) for _ in range(2)]
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
-        lean.make_policy(agents[0], dict(leanrl_utils.stack_seeds(agents).items()), 2, host=True)
+        lean.make_policy(agents[0], dict(leanrl_utils.seeds.stack(agents).items()), 2, host=True)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and err.count("\n") == 1 and "actor.1" in err and "GELU" in err, err
 
     agent = gelu_agent(4, 2)
-    policy = lean.make_policy(agent, dict(leanrl_utils.stack_seeds([agent]).items()), 1, host=False)
+    policy = lean.make_policy(agent, dict(leanrl_utils.seeds.stack([agent]).items()), 1, host=False)
     obs = torch.randn(64, 4)
     torch.manual_seed(7)
     action, _, value = policy(obs)

@@ -66,7 +66,7 @@ def agent_and_update(lean, args, source=None, compiled=False):
     if source is not None:
         agent.load_state_dict(source.state_dict())
     lr = torch.tensor(args.learning_rate)
-    optimizer = leanrl_utils.Adam(agent.named_parameters(), lr, eps=1e-5, fused=not compiled)
+    optimizer = leanrl_utils.optimizers.Adam(agent.named_parameters(), lr, eps=1e-5, fused=not compiled)
     return agent, lr, lean.make_update(agent, optimizer, args)
 
 
@@ -89,7 +89,7 @@ def test_compiled_update_matches_eager(lean):
     batch = make_batch(64)
     eager_agent, eager_lr, eager = agent_and_update(lean, args)
     compiled_agent, compiled_lr, compiled = agent_and_update(lean, args, eager_agent, compiled=True)
-    compiled = torch.compile(compiled, fullgraph=True, options={"guard_filter_fn": leanrl_utils.value_guards})
+    compiled = torch.compile(compiled, fullgraph=True, options={"guard_filter_fn": leanrl_utils.speed.value_guards})
     initial = copy.deepcopy(eager_agent.state_dict())
     batch_cl = (batch[0].contiguous(memory_format=torch.channels_last),) + batch[1:]
     for k, idx in enumerate(torch.randperm(64).split(16)):
@@ -242,7 +242,7 @@ def test_policy_samples_the_categorical_it_reports(lean):
     with torch.no_grad():
         agent.actor.weight.zero_()
         agent.actor.bias.copy_(logits)
-        policy = lean.make_policy(agent, dict(leanrl_utils.stack_seeds([agent]).items()), 1)
+        policy = lean.make_policy(agent, dict(leanrl_utils.seeds.stack([agent]).items()), 1)
         obs = torch.zeros(500, 4, 84, 84, dtype=torch.uint8)
         actions, logprobs = zip(*[policy(obs)[:2] for _ in range(20)])
     actions, logprobs = torch.cat(actions), torch.cat(logprobs)
@@ -291,7 +291,7 @@ def test_a_changed_network_acts_as_the_module_does(lean, monkeypatch, num_seeds)
     monkeypatch.setattr(lean, "Agent", other_agent(lean))
     torch.manual_seed(0)
     agents = [lean.Agent(4) for _ in range(num_seeds)]
-    policy = lean.make_policy(lean.Agent(4, device="meta"), dict(leanrl_utils.stack_seeds(agents).items()), num_seeds)
+    policy = lean.make_policy(lean.Agent(4, device="meta"), dict(leanrl_utils.seeds.stack(agents).items()), num_seeds)
     obs = torch.randint(0, 256, (num_seeds * 5, 4, 84, 84), dtype=torch.uint8)
     with torch.no_grad():
         torch.manual_seed(1)
@@ -322,8 +322,8 @@ def test_a_changed_network_trains_each_seed_on_its_own(lean, monkeypatch, tmp_pa
     agents = [lean.Agent(4) for _ in range(num_seeds)]
     singles = [agent_and_update(lean, args, agent) for agent in agents]
     stacked_agents = copy.deepcopy(agents)
-    params = leanrl_utils.stack_seeds(stacked_agents)
-    optimizer = leanrl_utils.Adam(params.items(), torch.tensor(args.learning_rate), eps=1e-5, fused=True)
+    params = leanrl_utils.seeds.stack(stacked_agents)
+    optimizer = leanrl_utils.optimizers.Adam(params.items(), torch.tensor(args.learning_rate), eps=1e-5, fused=True)
     stacked = lean.make_update(stacked_agents[0], optimizer, args, 1, num_seeds)
     batches = [make_batch(32, seed=k) for k in range(num_seeds)]
     idx = torch.stack([torch.randperm(32)[:16] for _ in range(num_seeds)])
@@ -431,7 +431,7 @@ def test_returns_count_whole_games_over_lives(script):
     is over. Env 1 is cut by the step limit (truncated), which also ends its game. The charts
     come from leanrl_utils' `Run.episodes`, fed the wrapper's infos as the loop feeds them; both
     scripts make their envs with leanrl_utils' `envpool_envs`, which wraps them in this wrapper."""
-    assert load_script(script).envpool_envs is leanrl_utils.envpool_envs
+    assert load_script(script).envpool_envs is leanrl_utils.vector.envpool_envs
     module = leanrl_utils
     #        (reward, terminated, truncated, lives, game over)
     steps = [

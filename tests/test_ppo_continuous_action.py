@@ -198,7 +198,7 @@ def test_policy_acts_from_the_agent_and_sees_every_update(lean, host):
     torch.manual_seed(0)
     agent = lean.Agent(5, 3)
     agent.actor_logstd.data.fill_(-0.5)
-    params = dict(leanrl_utils.stack_seeds([agent]).items())  # one seed: a stack of one, as in main
+    params = dict(leanrl_utils.seeds.stack([agent]).items())  # one seed: a stack of one, as in main
     policy = lean.make_policy(agent, params, 1, host, seed=1)
     obs = torch.randn(4096, 5)
     for _ in range(2):
@@ -250,7 +250,7 @@ def test_changed_network_is_followed_by_every_derived_form(lean, host, num_seeds
     agents = [changed_agent(lean)(6, 2) for _ in range(num_seeds)]
     for k, agent in enumerate(agents):
         agent.actor_logstd.data.fill_(-0.5 * k)
-    params = leanrl_utils.stack_seeds(agents)
+    params = leanrl_utils.seeds.stack(agents)
     policy = lean.make_policy(agents[0], dict(params.items()), num_seeds, host, seed=5)
     rng, obs = np.random.default_rng(5), torch.randn(num_seeds * 64, 6)
     exact = dict(rtol=0, atol=0) if num_seeds == 1 and not host else dict(rtol=1e-5, atol=1e-5)
@@ -316,14 +316,14 @@ def test_layer_without_a_numpy_form_is_one_line(lean, monkeypatch, tmp_path, cap
     agents = [gelu_agent(6, 2) for _ in range(2)]
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
-        lean.make_policy(agents[0], dict(leanrl_utils.stack_seeds(agents).items()), 2, host=True)
+        lean.make_policy(agents[0], dict(leanrl_utils.seeds.stack(agents).items()), 2, host=True)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and err.count("\n") == 1, err
     assert "actor_mean.1" in err and "GELU" in err, err
 
     agent = gelu_agent(6, 2)
-    policy = lean.make_policy(agent, dict(leanrl_utils.stack_seeds([agent]).items()), 1, host=False)
+    policy = lean.make_policy(agent, dict(leanrl_utils.seeds.stack([agent]).items()), 1, host=False)
     obs = torch.randn(64, 6)
     torch.manual_seed(7)
     action, _, value = policy(obs)

@@ -151,11 +151,11 @@ def test_lean_policy_is_the_q_networks_argmax_and_max(lean, host):
     float32 default (LayerNorm's statistics as matmuls)."""
     torch.manual_seed(0)
     q_network = lean.QNetwork(4, 3)
-    params = dict(leanrl_utils.stack_seeds([q_network]).items())  # one seed: a stack of one, as the script
+    params = dict(leanrl_utils.seeds.stack([q_network]).items())  # one seed: a stack of one, as the script
     policy = lean.make_policy(q_network, params, 1, host)
     if not host:  # as the loop calls a device's policy
-        policy = leanrl_utils.host_arrays(policy, torch.device("cpu"))
-    optimizer = leanrl_utils.RAdam(q_network.named_parameters(), torch.tensor(0.1))
+        policy = leanrl_utils.acting.host_arrays(policy, torch.device("cpu"))
+    optimizer = leanrl_utils.optimizers.RAdam(q_network.named_parameters(), torch.tensor(0.1))
     obs = torch.randn(1000, 4)
     for _ in range(2):
         with torch.no_grad():
@@ -203,10 +203,10 @@ def test_an_edited_network_is_what_the_policies_act_with(lean, edit, host, num_s
         for norm in (m for net in nets for m in net.modules() if isinstance(m, nn.LayerNorm)):
             for p in norm.parameters():
                 p.add_(torch.randn_like(p) * 0.3)
-    params = leanrl_utils.stack_seeds(nets)
+    params = leanrl_utils.seeds.stack(nets)
     policy = lean.make_policy(nets[0], dict(params.items()), num_seeds, host)
     if not host:
-        policy = leanrl_utils.host_arrays(policy, torch.device("cpu"))
+        policy = leanrl_utils.acting.host_arrays(policy, torch.device("cpu"))
     obs = torch.randn(num_seeds * 200, 4)
     for _ in range(2):
         with torch.no_grad():
@@ -227,7 +227,7 @@ def test_the_lean_script_trains_an_edited_network(lean, edit, monkeypatch, tmp_p
     """The whole script runs with the edited network (its numpy policy checks itself against the
     module at start) and trains it: the weights it finishes with have the edited shapes and moved."""
     monkeypatch.setattr(lean, "QNetwork", network_like(lean, *EDITS[edit]))
-    initial, final, stack_seeds, finish = {}, {}, lean.stack_seeds, leanrl_utils.Run.finish
+    initial, final, stack_seeds, finish = {}, {}, lean.seeds.stack, leanrl_utils.Run.finish
 
     def recording_stack_seeds(nets):
         initial.update({k: v.clone() for k, v in nets[0].state_dict().items()})
@@ -237,7 +237,7 @@ def test_the_lean_script_trains_an_edited_network(lean, edit, monkeypatch, tmp_p
         final.update({k: v.clone() for k, v in networks["q_network"].state_dict().items()})
         return finish(self, step, updates, networks, *rest, **fields)
 
-    monkeypatch.setattr(lean, "stack_seeds", recording_stack_seeds)
+    monkeypatch.setattr(lean.seeds, "stack", recording_stack_seeds)
     monkeypatch.setattr(leanrl_utils.Run, "finish", recording_finish)
     assert main_in_process(lean, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
     assert {k: v.shape for k, v in final.items()} == {k: v.shape for k, v in lean.QNetwork(4, 2).state_dict().items()}
@@ -251,7 +251,7 @@ def test_a_layer_numpy_cannot_follow_is_refused_in_one_line(lean, monkeypatch, t
     monkeypatch.setattr(lean, "QNetwork", network_like(lean, (16,), nn.GELU))
     net = lean.QNetwork(4, 2)
     with pytest.raises(SystemExit) as stop:
-        lean.make_policy(net, dict(leanrl_utils.stack_seeds([net]).items()), 1, host=True)
+        lean.make_policy(net, dict(leanrl_utils.seeds.stack([net]).items()), 1, host=True)
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and "network.2" in err and "GELU" in err, err
@@ -271,7 +271,7 @@ def test_time_limits_end_the_return_as_terminations_do(lean, monkeypatch, tmp_pa
     env's terminations and truncations alike as episode ends (CleanRL's PQN), and an episode's
     last step is its reward alone."""
     steps, seen = [], []
-    make_returns, env_step = lean.make_returns, lean.SameStepEnvs.step
+    make_returns, env_step = lean.make_returns, lean.vector.SameStepEnvs.step
 
     def recording_step(self, actions):
         out = env_step(self, actions)
@@ -288,7 +288,7 @@ def test_time_limits_end_the_return_as_terminations_do(lean, monkeypatch, tmp_pa
 
         return recording
 
-    monkeypatch.setattr(lean.SameStepEnvs, "step", recording_step)
+    monkeypatch.setattr(lean.vector.SameStepEnvs, "step", recording_step)
     monkeypatch.setattr(lean, "make_returns", recording_make_returns)
     assert main_in_process(lean, "--env-id", SHORT_ID, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
     rewards, _, _, dones, returns = (torch.cat(x) for x in zip(*seen))
@@ -315,7 +315,7 @@ def update_case(lean, seed=0, n=256):
 
 def one_seed_update(lean, q_network, lr, max_grad_norm, capturable=False):
     """The script's update for one seed (a stack of one), called with one run's batch and rows."""
-    optimizer = leanrl_utils.RAdam(leanrl_utils.stack_seeds([q_network]).items(), lr, capturable=capturable)
+    optimizer = leanrl_utils.optimizers.RAdam(leanrl_utils.seeds.stack([q_network]).items(), lr, capturable=capturable)
     update = lean.make_update(q_network, optimizer, max_grad_norm, 1)
     return lambda obs, actions, returns, idx: update(obs[None], actions[None], returns[None], idx[None])[:, 0]
 
@@ -362,10 +362,13 @@ def test_compiled_update_matches_eager(lean):
     lr_eager, lr_compiled = torch.tensor(2.5e-4), torch.tensor(2.5e-4)
     eager = one_seed_update(lean, q_eager, lr_eager, 10.0)
     compiled = lean.make_update(
-        q_compiled, leanrl_utils.RAdam(leanrl_utils.stack_seeds([q_compiled]).items(), lr_compiled, capturable=True), 10.0, 1
+        q_compiled,
+        leanrl_utils.optimizers.RAdam(leanrl_utils.seeds.stack([q_compiled]).items(), lr_compiled, capturable=True),
+        10.0,
+        1,
     )
     compiled = torch.compile(
-        compiled, fullgraph=True, options={"guard_filter_fn": leanrl_utils.value_guards, "cpp_wrapper": True}
+        compiled, fullgraph=True, options={"guard_filter_fn": leanrl_utils.speed.value_guards, "cpp_wrapper": True}
     )
     for k, idx in enumerate(minibatches):
         lr_eager.fill_(2.5e-4 * (1 - k / 8))

@@ -122,7 +122,7 @@ def test_lean_update_is_the_plain_update(plain, lean):
     reference = plain.QNetwork(4)
     reference.load_state_dict(q_network.state_dict())
     lr = torch.tensor(2.5e-4)
-    update = lean.make_update(q_network, leanrl_utils.RAdam(q_network.named_parameters(), lr), max_grad_norm=0.5)
+    update = lean.make_update(q_network, leanrl_utils.optimizers.RAdam(q_network.named_parameters(), lr), max_grad_norm=0.5)
     optimizer = torch.optim.RAdam(reference.parameters(), lr=2.5e-4)
     b_obs, b_actions, b_returns, b_valid = batch = make_batch(64, seed=2)
     clipped = 0
@@ -156,7 +156,7 @@ def test_reset_steps_are_left_out_of_the_update(lean):
 
     def step(batch, idx):
         q_network = copy.deepcopy(init)
-        update = lean.make_update(q_network, leanrl_utils.RAdam(q_network.named_parameters(), 2.5e-4), 10.0)
+        update = lean.make_update(q_network, leanrl_utils.optimizers.RAdam(q_network.named_parameters(), 2.5e-4), 10.0)
         return update(*batch, idx), q_network
 
     masked, masked_net = step(batch, torch.arange(32))
@@ -178,11 +178,11 @@ def test_compiled_update_matches_eager(lean):
     torch.manual_seed(0)
     q_eager = lean.QNetwork(4)
     q_compiled = copy.deepcopy(q_eager)
-    eager = lean.make_update(q_eager, leanrl_utils.RAdam(q_eager.named_parameters(), torch.tensor(2.5e-4)), 10.0)
+    eager = lean.make_update(q_eager, leanrl_utils.optimizers.RAdam(q_eager.named_parameters(), torch.tensor(2.5e-4)), 10.0)
     compiled = lean.make_update(
-        q_compiled, leanrl_utils.RAdam(q_compiled.named_parameters(), torch.tensor(2.5e-4), capturable=True), 10.0
+        q_compiled, leanrl_utils.optimizers.RAdam(q_compiled.named_parameters(), torch.tensor(2.5e-4), capturable=True), 10.0
     )
-    compiled = torch.compile(compiled, fullgraph=True, options={"guard_filter_fn": leanrl_utils.value_guards})
+    compiled = torch.compile(compiled, fullgraph=True, options={"guard_filter_fn": leanrl_utils.speed.value_guards})
     batch = make_batch(32, seed=3)
     for idx in torch.randperm(32).split(8):
         torch.testing.assert_close(compiled(*batch, idx), eager(*batch, idx), rtol=1e-4, atol=1e-6)
@@ -243,11 +243,11 @@ def test_a_changed_network_acts_as_its_module(lean, monkeypatch, capsys):
         assert torch.equal(actions, torch.where(explore, random_actions, expected.argmax(1)))
         assert torch.equal(values, expected.max(1).values)
 
-        params = dict(leanrl_utils.stack_seeds([q_network]).items())
-        assert torch.equal(leanrl_utils.seeds_forward(q_network)(params, frames[None])[0], expected)
+        params = dict(leanrl_utils.seeds.stack([q_network]).items())
+        assert torch.equal(leanrl_utils.seeds.forward(q_network)(params, frames[None])[0], expected)
 
         with pytest.raises(SystemExit) as exit_info:
-            leanrl_utils.numpy_forward(q_network, params)
+            leanrl_utils.acting.numpy_forward(q_network, params)
         assert exit_info.value.code == 2
         errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and "network.0 (Conv2d)" in errors[0], errors
@@ -255,11 +255,11 @@ def test_a_changed_network_acts_as_its_module(lean, monkeypatch, capsys):
         head = q_network.network[7:]  # after Flatten; its layers keep their names ("7", ...)
         features = [net.network[:7](frames / 255.0) for net in (q_network, other)]
         for nets in ([q_network], [q_network, other]):
-            stacked = dict(leanrl_utils.stack_seeds(nets).items())
+            stacked = dict(leanrl_utils.seeds.stack(nets).items())
             head_params = {name: p for name, p in stacked.items() if int(name.split(".")[1]) >= 7}
             x = torch.stack(features[: len(nets)])
-            in_numpy = leanrl_utils.numpy_forward(head, head_params, prefix="network.")(x.numpy().copy())
-            in_torch = leanrl_utils.seeds_forward(head)({k.removeprefix("network."): p for k, p in head_params.items()}, x)
+            in_numpy = leanrl_utils.acting.numpy_forward(head, head_params, prefix="network.")(x.numpy().copy())
+            in_torch = leanrl_utils.seeds.forward(head)({k.removeprefix("network."): p for k, p in head_params.items()}, x)
             # One seed runs the module's own ops; stacked seeds run batched matmuls (another sum order).
             exact = len(nets) == 1
             for k, net in enumerate(nets):
@@ -268,9 +268,9 @@ def test_a_changed_network_acts_as_its_module(lean, monkeypatch, capsys):
                 torch.testing.assert_close(in_torch[k], expected, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-6)
 
     gelu = changed_network(lean, head_activation=nn.GELU)(6)
-    params = {name: p for name, p in leanrl_utils.stack_seeds([gelu]).items() if int(name.split(".")[1]) >= 7}
+    params = {name: p for name, p in leanrl_utils.seeds.stack([gelu]).items() if int(name.split(".")[1]) >= 7}
     with pytest.raises(SystemExit) as exit_info:
-        leanrl_utils.numpy_forward(gelu.network[7:], params, prefix="network.")
+        leanrl_utils.acting.numpy_forward(gelu.network[7:], params, prefix="network.")
     assert exit_info.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "network.9 (GELU)" in errors[0], errors

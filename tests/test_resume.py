@@ -27,7 +27,7 @@ gym.wrappers.RecordEpisodeStatistics.step = step
 
 # envpool's Atari games count steps in leanrl_utils' vector wrapper: one call per vector step.
 SIGNAL_AT_VECTOR_STEP = SIGNAL_AT_STEP.replace(
-    "gym.wrappers.RecordEpisodeStatistics", "leanrl_utils.RecordEpisodeStatistics"
+    "gym.wrappers.RecordEpisodeStatistics", "leanrl_utils.vector.RecordEpisodeStatistics"
 ).replace("import os, gymnasium as gym", "import os, leanrl_utils")
 
 # SIGKILLs the script's own process at its first env step from `at` on (of one env) where a
@@ -55,19 +55,21 @@ def same(a, b):
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     return a == b
-_resume, _iterations = leanrl_utils.Run.resume, leanrl_utils.Run.iterations
+_resume, _checkpoint = leanrl_utils.Run.resume, leanrl_utils.Run.checkpoint
 def resume(self, objects, loop, device="cpu"):
     out = _resume(self, objects, loop, device)
     for name, obj in self.objects.items():
         if name != "envs":
-            assert same(leanrl_utils.object_state(obj), self.resumed["objects"][name]), name
+            assert same(leanrl_utils.resume.state_of(obj), self.resumed["objects"][name]), name
     print("resume-check: objects ok", file=sys.stderr)
     return out
-def iterations(self, start, stop):
-    assert start == self.resumed["iteration"], (start, self.resumed["iteration"])
-    print("resume-check: iteration ok", file=sys.stderr)
-    return _iterations(self, start, stop)
-leanrl_utils.Run.resume, leanrl_utils.Run.iterations = resume, iterations
+def checkpoint(self, iteration):
+    if not hasattr(self, "checked"):  # the loop's first iteration
+        self.checked = iteration == self.resumed["iteration"]
+        assert self.checked, (iteration, self.resumed["iteration"])
+        print("resume-check: iteration ok", file=sys.stderr)
+    return _checkpoint(self, iteration)
+leanrl_utils.Run.resume, leanrl_utils.Run.checkpoint = resume, checkpoint
 """
 
 # Per family: the env step to stop at (after learning starts, between two log points).
@@ -320,9 +322,9 @@ def test_loop_values_survive_a_weights_only_checkpoint():
         "rng": np.random.default_rng(3),
     }
     buffer = io.BytesIO()
-    torch.save(leanrl_utils.to_plain(values), buffer)
+    torch.save(leanrl_utils.resume.to_plain(values), buffer)
     buffer.seek(0)
-    back = leanrl_utils.from_plain(torch.load(buffer, weights_only=True))
+    back = leanrl_utils.resume.from_plain(torch.load(buffer, weights_only=True))
     assert back["counts"] == (1, 2.5, 3.0, None, "s")
     assert back["queue"] == values["queue"] and back["queue"].maxlen == 5
     assert all(a.dtype == b.dtype and (a == b).all() for a, b in zip(back["arrays"], values["arrays"]))

@@ -78,19 +78,19 @@ def lean_learner(lean, args, state, compiled=False):
     if not args.autotune:
         log_alpha.fill_(math.log(args.alpha))
     alpha = log_alpha.detach().exp()
-    q_params = leanrl_utils.stack_seeds([qf1, qf2])
+    q_params = leanrl_utils.seeds.stack([qf1, qf2])
     target_params = q_params.clone()
     opt = dict(fused=not compiled)
-    q_optimizer = leanrl_utils.Adam(q_params.items(), args.q_lr, **opt)
-    actor_optimizer = leanrl_utils.Adam(actor.named_parameters(), args.policy_lr, **opt)
-    a_optimizer = leanrl_utils.Adam([("log_alpha", log_alpha)], args.q_lr, **opt) if args.autotune else None
+    q_optimizer = leanrl_utils.optimizers.Adam(q_params.items(), args.q_lr, **opt)
+    actor_optimizer = leanrl_utils.optimizers.Adam(actor.named_parameters(), args.policy_lr, **opt)
+    a_optimizer = leanrl_utils.optimizers.Adam([("log_alpha", log_alpha)], args.q_lr, **opt) if args.autotune else None
     storage = filled_storage(lean)
     update_critic, update_actor = lean.make_update(
         actor, qf1, target_params, alpha, q_optimizer, actor_optimizer, a_optimizer, storage, args.gamma
     )
     if compiled:
         # fullgraph: each update is one graph (a graph break raises), as main compiles it.
-        options = {"guard_filter_fn": leanrl_utils.value_guards}
+        options = {"guard_filter_fn": leanrl_utils.speed.value_guards}
         update_critic, update_actor = (
             torch.compile(f, fullgraph=True, options=options) for f in (update_critic, update_actor)
         )
@@ -236,7 +236,7 @@ def test_lean_networks_compute_what_the_plain_ones_do(plain, lean, monkeypatch):
     lean_actor.load_state_dict(plain_actor.state_dict())
     q_params = dict(torch.stack([from_module(qf1).data, from_module(qf2).data]).flatten_keys(".").items())
     obs, act = torch.randn(batch, n_obs), torch.randn(batch, n_act)
-    q = leanrl_utils.seeds_forward(lean.SoftQNetwork(n_obs, n_act, device="meta"), shared=(0, 1))(q_params, obs, act)
+    q = leanrl_utils.seeds.forward(lean.SoftQNetwork(n_obs, n_act, device="meta"), shared=(0, 1))(q_params, obs, act)
     torch.testing.assert_close(q[0], qf1(obs, act), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(q[1], qf2(obs, act), rtol=1e-5, atol=1e-6)
 
@@ -319,7 +319,7 @@ def test_changed_networks_reach_the_update_and_the_policy(lean, monkeypatch, cha
     obs, act, next_obs = storage["obs"][idx], storage["actions"][idx], storage["next_obs"][idx]
     q_params = dict(torch.stack([from_module(qf1).data, from_module(qf2).data]).flatten_keys(".").items())
     with torch.no_grad():
-        q = leanrl_utils.seeds_forward(qf1, shared=(0, 1))(q_params, obs, act)
+        q = leanrl_utils.seeds.forward(qf1, shared=(0, 1))(q_params, obs, act)
         for i, qf in enumerate((qf1, qf2)):
             torch.testing.assert_close(q[i], qf(obs, act), rtol=1e-5, atol=1e-6)
 
@@ -409,7 +409,7 @@ def fill_buffer(module, env_id, num_envs, steps, workdir, monkeypatch):
     for t in range(steps):
         actions = envs.action_space.sample()
         next_obs, rewards, terminations, truncations, infos = envs.step(actions)
-        real_next_obs = module.real_next_obs(next_obs, infos)
+        real_next_obs = module.vector.real_next_obs(next_obs, infos)
         if hasattr(rb, "storage"):
             rb.add(obs=obs, actions=actions, rewards=rewards, next_obs=real_next_obs, dones=terminations)
         else:

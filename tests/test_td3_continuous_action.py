@@ -139,18 +139,18 @@ def make_lean(lean, networks, storage, args, compiled):
     """The update as main builds it: stacked critics that qf1 and qf2 view, targets as one
     TensorDict, fused Adam eager and the single-tensor Adam compiled."""
     actor, qf1, qf2 = copy.deepcopy(networks)
-    q_params = leanrl_utils.stack_seeds([qf1, qf2])
+    q_params = leanrl_utils.seeds.stack([qf1, qf2])
     params = TensorDict(actor=from_module(actor).data, qnet=q_params)
     target_params = params.clone()
     target_actor = type(actor)(N_OBS, N_ACT, LOW, HIGH, device="meta")
     target_params["actor"].to_module(target_actor)
-    q_optimizer = leanrl_utils.Adam(q_params.items(), args.learning_rate, fused=not compiled)
-    actor_optimizer = leanrl_utils.Adam(actor.named_parameters(), args.learning_rate, fused=not compiled)
+    q_optimizer = leanrl_utils.optimizers.Adam(q_params.items(), args.learning_rate, fused=not compiled)
+    actor_optimizer = leanrl_utils.optimizers.Adam(actor.named_parameters(), args.learning_rate, fused=not compiled)
     q_target_params = dict(target_params["qnet"].items())
     updates = lean.make_update(qf1, actor, target_actor, q_optimizer, actor_optimizer, q_target_params, storage, BOUNDS, args)
     if compiled:
         # fullgraph: each update is one graph (a graph break raises), as main compiles it.
-        options = {"guard_filter_fn": leanrl_utils.value_guards}
+        options = {"guard_filter_fn": leanrl_utils.speed.value_guards}
         updates = tuple(torch.compile(f, fullgraph=True, options=options) for f in updates)
     return (actor, qf1, qf2), (params, target_params), updates
 
@@ -221,7 +221,7 @@ def test_derived_critics_and_policy_act_as_the_modules(lean, network):
     matmul may sum in another order); the first critic runs the module's own ops: exact."""
     torch.manual_seed(0)
     actor, qf1, qf2 = lean.Actor(N_OBS, N_ACT, LOW, HIGH), lean.QNetwork(N_OBS, N_ACT), lean.QNetwork(N_OBS, N_ACT)
-    q_params = dict(leanrl_utils.stack_seeds([qf1, qf2]).items())
+    q_params = dict(leanrl_utils.seeds.stack([qf1, qf2]).items())
     assert ("fc_extra.weight" in q_params) == (network == "changed")
     critic, first_critic = lean.make_critics(qf1)
     obs, actions = torch.randn(32, N_OBS), torch.rand(32, N_ACT) * 4 - 2
@@ -319,7 +319,13 @@ def collect(module, env_id, num_envs, steps, buffer_size):
     for step in range(steps):
         actions = envs.action_space.sample()
         next_obs, rewards, terminations, truncations, infos = envs.step(actions)
-        rb.add(obs=obs, actions=actions, rewards=rewards, next_obs=module.real_next_obs(next_obs, infos), dones=terminations)
+        rb.add(
+            obs=obs,
+            actions=actions,
+            rewards=rewards,
+            next_obs=module.vector.real_next_obs(next_obs, infos),
+            dones=terminations,
+        )
         for i in np.flatnonzero(np.logical_or(terminations, truncations)):
             ends.append((step, i, infos["final_obs"][i], next_obs[i].copy(), bool(terminations[i])))
         obs = next_obs

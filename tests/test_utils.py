@@ -21,15 +21,15 @@ ALL = scripts("*.py")
 def test_atomic_save_never_exposes_a_partial_file(tmp_path, monkeypatch):
     """A save that dies half-way leaves the previous checkpoint whole at the final path."""
     path = str(tmp_path / "model.pt")
-    leanrl_utils.atomic_save({"w": torch.ones(3)}, path)
+    leanrl_utils.checkpoints.atomic_save({"w": torch.ones(3)}, path)
 
     def crash(obj, f, *args, **kwargs):
         f.write(b"half a checkpoint")  # atomic_save hands torch.save its open .tmp file
         raise OSError("disk full")
 
-    monkeypatch.setattr(leanrl_utils.torch, "save", crash)
+    monkeypatch.setattr(torch, "save", crash)
     with pytest.raises(OSError):
-        leanrl_utils.atomic_save({"w": torch.zeros(3)}, path)
+        leanrl_utils.checkpoints.atomic_save({"w": torch.zeros(3)}, path)
     monkeypatch.undo()
     assert torch.equal(torch.load(path)["w"], torch.ones(3))
 
@@ -43,7 +43,7 @@ def test_same_step_envs_step_as_gymnasium_does(env_id):
     def thunk():
         return gym.wrappers.RecordEpisodeStatistics(gym.make(env_id, max_episode_steps=12))
 
-    ours = leanrl_utils.SameStepEnvs([thunk] * 3)
+    ours = leanrl_utils.vector.SameStepEnvs([thunk] * 3)
     theirs = gym.vector.SyncVectorEnv([thunk] * 3, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
     for a, b in zip(ours.reset(seed=5)[0], theirs.reset(seed=5)[0]):
         assert np.array_equal(a, b)
@@ -103,7 +103,7 @@ def stacked(make, num_seeds):
             for p in net.parameters():
                 p.add_(torch.randn_like(p) * 0.1)
         nets.append(net)
-    return nets, leanrl_utils.stack_seeds(nets)
+    return nets, leanrl_utils.seeds.stack(nets)
 
 
 @pytest.mark.parametrize("num_seeds", [1, 3])
@@ -113,8 +113,8 @@ def test_derived_forms_act_as_the_module_does(name, num_seeds):
     what that seed's module gives them, and see later changes to the weights at once."""
     nets, params = stacked(NETWORKS[name], num_seeds)
     x = torch.randn(num_seeds, 6, 5)
-    torch_form = leanrl_utils.seeds_forward(nets[0])
-    numpy_form = leanrl_utils.numpy_forward(nets[0], dict(params.items()))
+    torch_form = leanrl_utils.seeds.forward(nets[0])
+    numpy_form = leanrl_utils.acting.numpy_forward(nets[0], dict(params.items()))
     for _ in range(2):
         with torch.no_grad():
             expected = torch.stack([net(x[k]) for k, net in enumerate(nets)])
@@ -131,7 +131,7 @@ def test_numpy_form_leaves_the_callers_array_alone():
     nets, params = stacked(NETWORKS["activation first"], 1)
     x = np.random.default_rng(0).standard_normal((1, 4, 5)).astype(np.float32)
     before = x.copy()
-    leanrl_utils.numpy_forward(nets[0], dict(params.items()))(x)
+    leanrl_utils.acting.numpy_forward(nets[0], dict(params.items()))(x)
     assert np.array_equal(x, before)
 
 
@@ -158,7 +158,7 @@ class Scaled(nn.Module):
 def test_what_numpy_cannot_follow_is_refused_in_one_line(make, words, capsys):
     nets, params = stacked(make, 2)
     with pytest.raises(SystemExit) as stop:
-        leanrl_utils.numpy_forward(nets[0], dict(params.items()))
+        leanrl_utils.acting.numpy_forward(nets[0], dict(params.items()))
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: "), err
@@ -171,7 +171,7 @@ def test_stack_of_one_runs_the_modules_own_ops():
     nets, params = stacked(NETWORKS["layernorm"], 1)
     x = torch.randn(1, 32, 5)
     with torch.no_grad():
-        assert torch.equal(leanrl_utils.seeds_forward(nets[0])(dict(params.items()), x)[0], nets[0](x[0]))
+        assert torch.equal(leanrl_utils.seeds.forward(nets[0])(dict(params.items()), x)[0], nets[0](x[0]))
 
 
 # ---------------------------------------------------------------- other platforms
@@ -221,8 +221,8 @@ class Critic(nn.Module):
 def test_stacked_networks_on_shared_inputs():
     """Twin critics: each network of the stack on the same batch (`shared` inputs)."""
     nets = [Critic(), Critic()]
-    params = leanrl_utils.stack_seeds(nets)
+    params = leanrl_utils.seeds.stack(nets)
     x, a = torch.randn(6, 5), torch.randn(6, 2)
-    got = leanrl_utils.seeds_forward(nets[0], shared=(0, 1))(dict(params.items()), x, a)
+    got = leanrl_utils.seeds.forward(nets[0], shared=(0, 1))(dict(params.items()), x, a)
     with torch.no_grad():
         torch.testing.assert_close(got, torch.stack([net(x, a) for net in nets]), rtol=1e-5, atol=1e-6)

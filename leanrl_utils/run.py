@@ -1,0 +1,238 @@
+"""The run recorder: runs/<run_name> (TensorBoard events, curve.csv, checkpoints, resume.pt), wandb
+with --track, the progress bar, steps/s after warm-up, stop signals, and the one-line JSON summary.
+It records what the script's loop tells it; the loop stays the script's."""
+
+import importlib.util
+import itertools
+import math
+import os
+import signal
+import sys
+import time
+from collections import deque
+
+import numpy as np
+import torch
+import tqdm
+import tyro
+
+from leanrl_utils import checkpoints, resume, summary
+from leanrl_utils.checks import fail
+from leanrl_utils.vector import ended_episodes
+
+
+def cli(args_type):
+    """tyro's flags; Ctrl-C from here until a Run exists is one line and exit 130, not a traceback."""
+
+    def before_the_run(signum, frame):
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # under torchrun, one line for all ranks
+            sys.stderr.write("notice: interrupted before the run started; nothing to save\n")
+        os._exit(130)
+
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where a shell ignores it
+        signal.signal(signal.SIGINT, before_the_run)
+    return tyro.cli(args_type)
+
+
+class Run:
+    """One seed's records; under torchrun only rank 0 writes. `resumed`: the --resume checkpoint
+    (`resume.read`). With --num-seeds, one Run per seed (`seeds.runs`): the first, the lead, takes
+    the stop signals, shows the bar and prints the summary for every seed. The folder is made at
+    the first log point or save, so a run refused before it leaves none."""
+
+    def __init__(self, args, total_steps, script, resumed=None, rank=0, lead=None, warmup_updates=3):
+        self.args, self.total_steps, self.warmup_updates, self.rank0 = args, total_steps, warmup_updates, rank == 0
+        self.script, self.algorithm = os.path.basename(script), checkpoints.algorithm_of(script)
+        self.lead, self.seeds, self.resumed = lead or self, [self], resumed
+        if lead:
+            lead.seeds.append(self)
+        mine = resumed["seeds"][len(self.lead.seeds) - 1] if resumed else {}
+        self.time = lead.time if lead else resumed["time"] if resumed else int(time.time())
+        self.name = mine.get("name", f"{args.env_id}__{args.exp_name}__{args.seed}__{self.time}")
+        self.dir = f"runs/{self.name}"
+        if resumed:  # a resumed run writes on in its folder, wherever it is (each seed's beside the lead's)
+            self.dir = os.path.join(os.path.dirname(resumed["dir"]), self.name) if lead else resumed["dir"]
+        self.step, self.updates = mine.get("step", 0), mine.get("updates", 0)
+        self.returns, self.points = deque(mine.get("returns", []), maxlen=10), []
+        self.offset_s, self.start = resumed["wall_s"] if resumed else 0.0, time.perf_counter()
+        self.warm_time, self.warm_step = self.start, 0
+        self.curve = self.writer = self.wandb = self.bar = self.warmup_s = self.last_sps = self.last_good = None
+        self.stop_reason = self.save_error = self.stop_signal = self.iteration = self.loop = None
+        self.objects, self.eval_return, self.due = {}, None, time.perf_counter()
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if args.track and self.rank0 and importlib.util.find_spec("wandb") is None:
+            fail("--track needs wandb: pip install wandb (or the extra leanrl[track])")
+        if not lead:
+            signal.signal(signal.SIGTERM, self.on_signal)
+            if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # not where a shell ignores it
+                signal.signal(signal.SIGINT, self.on_signal)
+
+    def on_signal(self, signum, frame):
+        """Ctrl-C, and SIGTERM by which schedulers stop jobs: noted, and acted on where the loop calls
+        `checkpoint`, at an iteration's start, where the state is whole. Further ones change nothing."""
+        self.stop_signal = self.stop_signal or signal.Signals(signum)
+
+    def open(self):
+        """The run's folder and writers, at the first need: made exclusively (a run started in the same
+        second with the same name gets <name>__2, then __3, ...), or, resumed, cut back to the saved point."""
+        if self.curve is not None:
+            return
+        if not self.rank0:
+            self.curve = open(os.devnull, "w")
+            return
+        mine = self.resumed["seeds"][self.lead.seeds.index(self)] if self.resumed else None
+        try:
+            if mine:
+                os.makedirs(self.dir, exist_ok=True)
+                self.curve = open(f"{self.dir}/curve.csv", "a", buffering=1)  # line-buffered: each row at once
+                self.curve.truncate(mine["curve_bytes"])  # points written after the checkpoint come again
+                for name in os.listdir(self.dir):
+                    if name.startswith("events.out.tfevents"):
+                        with open(f"{self.dir}/{name}", "r+b") as events:
+                            events.truncate(mine["events"].get(name, 0))
+            else:
+                base = self.name
+                for k in itertools.count(2):
+                    try:
+                        os.makedirs(self.dir)
+                        break
+                    except FileExistsError:
+                        self.name, self.dir = f"{base}__{k}", f"runs/{base}__{k}"
+                self.curve = open(f"{self.dir}/curve.csv", "w", buffering=1)
+                self.curve.write("step,seconds,episodic_return\n")
+        except OSError as e:
+            fail(f"cannot write {self.dir} ({e.strerror}): run from a folder you can write to")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(os.path.abspath(self.dir))  # its thread may outlive a chdir
+            if not mine:
+                table = "\n".join(f"|{k}|{v}|" for k, v in vars(self.args).items())
+                self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
+        except ImportError:
+            if self.lead is self:
+                print(
+                    "notice: tensorboard is not installed; metrics go to --track only (pip install tensorboard)",
+                    file=sys.stderr,
+                )
+        if self.args.track:
+            import wandb
+
+            # Several runs live at once only with reinit="create_new" (wandb 0.19.10 or later).
+            kw = {"group": self.lead.name, "reinit": "create_new"} if len(self.lead.seeds) > 1 else {}
+            kw.update({"id": mine["wandb_id"], "resume": "allow"} if mine and mine.get("wandb_id") else {})
+            a = self.args
+            self.wandb = wandb.init(project=a.wandb_project_name, entity=a.wandb_entity, config=vars(a), name=self.name, **kw)
+
+    def load(self, networks):
+        """--load-model into `networks` (name -> module)."""
+        checkpoints.load(self.args.load_model, networks, self.args.env_id, self.algorithm)
+
+    def resume(self, objects, loop, device="cpu"):
+        """Names what resume.pt holds: `objects` (name -> module, optimizer, buffer, envs...; False:
+        none) and `loop()`, the loop's variables. With --resume, restores them and the random streams
+        and returns the resumed loop variables (tensors on `device`); else returns `loop()`."""
+        self.objects, self.loop = {name: obj for name, obj in objects.items() if obj is not False}, loop
+        if not self.resumed:
+            return loop()
+        try:
+            for name, obj in self.objects.items():
+                resume.restore(obj, self.resumed["objects"][name])
+        except (KeyError, RuntimeError, ValueError, IndexError) as e:
+            fail(f"--resume {self.args.resume}: its state does not fit this run ({type(e).__name__}); start anew")
+        resume.set_random_state(self.resumed["random"])
+        if self.rank0:
+            print(f"notice: resuming {self.dir} after step {self.step}", file=sys.stderr)
+        return tuple(resume.from_plain(v, device) for v in self.resumed["loop"]["__tuple__"])
+
+    def checkpoint(self, iteration):
+        """At the start of each iteration, where the state is whole: saves resume.pt when a stop
+        signal came or --checkpoint-every is due. True: stop the loop (every rank at once)."""
+        self.iteration, stop = iteration, self.stop_signal is not None
+        if self.world_size > 1:  # every rank stops at the same iteration, or the others wait in a collective
+            import torch.distributed as dist
+
+            flag = torch.tensor([float(stop)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            stop = bool(flag)  # note: a host sync, once per iteration
+            self.stop_signal = self.stop_signal or (signal.SIGTERM if stop else None)
+        every = getattr(self.args, "checkpoint_every", 0)
+        if stop or (every and time.perf_counter() - self.due >= every):
+            self.save(iteration, finished=False)
+            self.due = time.perf_counter()
+        return stop
+
+    def save(self, iteration, finished):
+        """runs/<run_name>/resume.pt, atomically: all `--resume` needs to go on at `iteration`."""
+        if not self.rank0 or self.loop is None or self.world_size > 1:
+            return
+        seeds = []
+        for run in self.seeds:
+            run.open()
+            run.write()
+            if run.writer:
+                run.writer.flush()
+            events = {f: os.path.getsize(f"{run.dir}/{f}") for f in os.listdir(run.dir) if f.startswith("events.out.tfevents")}
+            seeds.append(
+                {"name": run.name, "step": run.step, "updates": run.updates, "returns": list(run.returns)}
+                | {"curve_bytes": run.curve.tell(), "events": events, "wandb_id": run.wandb.id if run.wandb else None}
+            )
+        state = {
+            "script": self.script, "algorithm": self.algorithm, "args": vars(self.args), "time": self.time,
+            "iteration": iteration, "finished": finished, "wall_s": self.offset_s + time.perf_counter() - self.start,
+            "seeds": seeds, "objects": {name: resume.state_of(obj) for name, obj in self.objects.items()},
+            "loop": resume.to_plain(tuple(self.loop())), "random": resume.random_state(),
+        }  # fmt: skip
+        checkpoints.atomic_save(state, f"{self.dir}/resume.pt")
+
+    def episodes(self, step, infos):
+        """CleanRL's charts, one point per finished episode in a vector env's `infos`."""
+        for _, r, n in ended_episodes(step, infos):
+            self.record(step, r, n)
+
+    def record(self, step, r, n):
+        self.returns.append(r)
+        self.points.append((step, {"charts/episodic_return": r, "charts/episodic_length": n}))
+
+    def write(self):
+        """The points since the last log point, to TensorBoard and wandb."""
+        for step, values in self.points:
+            for k, v in values.items() if self.writer else ():
+                self.writer.add_scalar(k, v, step)
+            if self.wandb:
+                self.wandb.log(values, step=step)
+        self.points.clear()
+
+    def mean_return(self):
+        """The mean return of the last 10 episodes, None before the first."""
+        return float(np.mean(self.returns)) if self.returns else None
+
+    def log(self, step, updates, metrics, networks):
+        """A log point: steps/s (from the first with `warmup_updates` updates done, when every compiled
+        callable has run), bar, curve, metrics, and with --save-model the weights if they are finite."""
+        self.open()
+        seeds = len(self.seeds)
+        if self.bar is None:
+            hidden = not self.rank0 or self.lead is not self
+            self.bar = tqdm.tqdm(total=self.total_steps * seeds, initial=self.step * seeds, file=sys.stderr, disable=hidden)
+        self.bar.update((step - self.step) * seeds)
+        self.step, self.updates, now = step, updates, time.perf_counter()
+        if self.warmup_s is None and updates >= self.warmup_updates:
+            self.warmup_s, self.warm_step, self.warm_time = now - self.start, step, now
+        # The summary's steps/s is the last log point's: closing envs and saving are not training.
+        warm = self.warmup_s is not None and step > self.warm_step
+        sps = self.last_sps = (step - self.warm_step) / (now - self.warm_time) if warm else None
+        means = [m for m in (run.mean_return() for run in self.seeds) if m is not None]
+        self.bar.set_description(f"sps={(sps or math.nan) * seeds:6.0f} return={np.mean(means) if means else math.nan:8.2f}")
+        if self.returns:
+            self.curve.write(f"{step},{now - self.start + self.offset_s:.3f},{self.mean_return():.3f}\n")
+        self.points.append((step, {**metrics, "charts/SPS": sps or 0.0}))
+        self.write()
+        if self.args.save_model:
+            state = {name: {k: v.detach().clone() for k, v in net.state_dict().items()} for name, net in networks.items()}
+            if checkpoints.finite(state):
+                self.last_good = state
+
+    def finish(self, step, updates, networks, evaluate, **fields):
+        """Save, evaluate, close and print the summary (the lead, for every seed, last): `summary.finish`."""
+        summary.finish(self, step, updates, networks, evaluate, fields)

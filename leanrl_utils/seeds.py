@@ -1,0 +1,96 @@
+"""Seeds stacked in one process (--num-seeds): their parameters stacked on a leading dimension,
+a module's forward over the stack (derived from the module), and one Run per seed, logged and
+finished together."""
+
+import math
+from dataclasses import replace
+
+import torch
+from tensordict import from_module
+
+from leanrl_utils import checks
+from leanrl_utils.run import Run
+
+
+def stack(networks):
+    """The networks' parameters stacked on a leading seed dimension (flat names -> tensors); each
+    network's parameters become views of its slice, so it acts, evaluates and saves with its seed's
+    current weights. One network is a stack of one."""
+    stacked = torch.stack([from_module(net).data for net in networks]).contiguous()
+    for k, net in enumerate(networks):
+        stacked[k].to_module(net)
+    return stacked.flatten_keys(".")
+
+
+def forward(module, shared=()):
+    """`module`'s forward for stacked seeds, read from the module itself: (params [seeds, ...] as
+    from `stack_seeds`, *inputs [seeds, rows, ...]) -> outputs [seeds, rows, ...], each seed's rows
+    through its own weights (torch.func.vmap of functional_call). `shared`: the positions of inputs
+    that every seed takes whole (e.g. twin critics on one batch). A stack of one runs the module's
+    own ops, so one seed computes exactly what the module computes, at its speed."""
+
+    def call(p, *inputs):
+        return torch.func.functional_call(module, p, inputs)
+
+    def forward(params, *inputs):
+        if next(iter(params.values())).shape[0] > 1:
+            in_dims = tuple(None if i in shared else 0 for i in range(len(inputs)))
+            return torch.func.vmap(call, in_dims=(0, *in_dims))(dict(params), *inputs)
+        one = {name: p.squeeze(0) for name, p in params.items()}  # squeeze: the gradient keeps its layout
+        out = call(one, *(x if i in shared else x[0] for i, x in enumerate(inputs)))
+        return tuple(y.unsqueeze(0) for y in out) if isinstance(out, tuple) else out.unsqueeze(0)
+
+    return forward
+
+
+def runs(args, total_steps, script, resumed=None, rank=0):
+    """One Run per seed of --num-seeds (seeds seed ... seed + num_seeds - 1), the first the lead."""
+    num_seeds = getattr(args, "num_seeds", 1)
+    checks.open_files(num_seeds)
+    lead = Run(args, total_steps, script, resumed, rank=rank)
+    others = [replace(args, seed=args.seed + k) for k in range(1, num_seeds)]
+    return [lead] + [Run(seed_args, total_steps, script, resumed, lead=lead) for seed_args in others]
+
+
+def seed_slice(infos, k, num_envs):
+    """Seed k's share of a vector env's infos: the values of its sub-envs, k * num_envs onwards."""
+    part = slice(k * num_envs, (k + 1) * num_envs)
+    return {key: seed_slice(value, k, num_envs) if isinstance(value, dict) else value[part] for key, value in infos.items()}
+
+
+def episodes(runs, step, infos, num_envs):
+    """Each seed's finished episodes (sub-env k * num_envs + i is env i of seed k)."""
+    info = infos.get("final_info", infos)
+    if len(runs) == 1:
+        runs[0].episodes(step, info)
+    elif "_episode" in info and info["_episode"].any():
+        for k, run in enumerate(runs):
+            run.episodes(step, seed_slice(info, k, num_envs))
+
+
+def log(runs, step, updates, metrics, names, networks, **charts):
+    """A log point of every seed. `metrics`: a [len(names), seeds] tensor (or None before the first
+    update), `networks`: each seed's name -> module. A non-finite loss stops the run: it returns
+    False with every seed's stop reason set. note: a host sync."""
+    seed_stats = [{}] * len(runs)
+    if metrics is not None:
+        seed_stats = [dict(zip(names, values)) for values in metrics.reshape(len(names), len(runs)).T.tolist()]
+    for k, stats in enumerate(seed_stats):
+        # explained variance is NaN by design when a batch's returns are constant (as in CleanRL)
+        losses = [name for name in names if name.startswith("losses/") and name != "losses/explained_variance"]
+        bad = next((name for name in losses if not math.isfinite(stats.get(name, 0.0))), None)
+        if bad:
+            which = f" (seed {runs[k].args.seed})" if len(runs) > 1 else ""
+            for run in runs:
+                run.stop_reason = f"non-finite {bad.removeprefix('losses/')} {stats[bad]} at step {step}{which}"
+            return False
+    for run, stats, nets in zip(runs, seed_stats, networks):
+        run.log(step, updates, {**stats, **charts}, nets)
+    return True
+
+
+def finish(runs, step, updates, networks, evaluate, **fields):
+    """Finish every seed's run, the lead last (its summary reports every seed). `evaluate(nets,
+    args, run_name)` evaluates one seed's networks."""
+    for run, nets in reversed(list(zip(runs, networks))):
+        run.finish(step, updates, nets, lambda run=run, nets=nets: evaluate(nets, run.args, run.name), **fields)

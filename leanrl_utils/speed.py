@@ -1,0 +1,30 @@
+"""The speed toggles' plumbing: the device, CPU threads, whether CUDA graphs run, and the guards
+that torch.compile keeps."""
+
+import sys
+
+import torch
+
+
+def setup(args, rank=0):
+    """The device, and whether CUDA graphs are on. On a CPU, one intra-op thread unless --threads
+    says more: OpenMP's spinning threads stall small ops beside any other process (measurements
+    in benchmark/RESULTS.md)."""
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    if device.type == "cpu" and hasattr(args, "threads"):
+        torch.set_num_threads(args.threads)
+    cudagraphs = getattr(args, "cudagraphs", False) and device.type == "cuda"
+    if getattr(args, "cudagraphs", False) and not cudagraphs and rank == 0:
+        print("notice: --cudagraphs needs a CUDA device; running without CUDA graphs", file=sys.stderr)
+    return device, cudagraphs
+
+
+# torch.compile's guard_filter_fn: keep the guards that tell one value from another (tensors,
+# constants, identities, types, grad mode, the function's closures), so that an update built anew
+# compiles anew; drop those that check modules and library functions, which the scripts never
+# change and which cost a tenth of a small compiled update's call.
+VALUE_GUARDS = {"TENSOR_MATCH", "CONSTANT_MATCH", "EQUALS_MATCH", "ID_MATCH", "TYPE_MATCH", "GRAD_MODE"}
+
+
+def value_guards(entries):
+    return [e.guard_type in VALUE_GUARDS or (e.guard_type == "CLOSURE_MATCH" and not e.is_global) for e in entries]
