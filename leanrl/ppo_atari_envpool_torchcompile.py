@@ -187,7 +187,7 @@ def make_gae(gamma, gae_lambda):
     return gae
 
 
-def make_update(agent, optimizer, args, world_size=1, num_seeds=None):
+def make_update(agent, optimizer, args, world_size=1, num_seeds=1):
     """One minibatch step on the rows `idx` of the rollout: the gather and the uint8-to-float
     division, forward, backward (torch.func), `clip_grad_norm_`'s arithmetic and `optimizers.Adam`, one
     function that compiles to one graph (`fullgraph=True`; with `loss.backward()` and
@@ -200,7 +200,7 @@ def make_update(agent, optimizer, args, world_size=1, num_seeds=None):
     non-finite checks (each rank's minibatch weighs alike, whatever its count of reset steps;
     advantages normalized per rank, as CleanRL's multi-GPU PPO). `num_seeds`: stacked seeds
     [seeds, ...] (parameters, rollout, `idx`, metrics), the gradient and its clipping vmapped, a
-    stack of one the agent's own ops (as `seeds.forward`); None: one agent, unstacked."""
+    stack of one the agent's own ops (`seeds.vmap`)."""
     clip_coef, ent_coef, vf_coef = args.clip_coef, args.ent_coef, args.vf_coef
 
     def loss_fn(params, mb_obs, mb_actions, mb_logprobs, mb_advantages, mb_returns, mb_values, mb_valid):
@@ -251,11 +251,7 @@ def make_update(agent, optimizer, args, world_size=1, num_seeds=None):
         clip = (args.max_grad_norm / (grad_norm + 1e-6)).clamp(max=1.0)
         return {name: g * clip for name, g in grads.items()}, metrics
 
-    def stack_of_one(params, *batch_and_idx):
-        grads, metrics = clipped_grads({name: p[0] for name, p in params.items()}, *(x[0] for x in batch_and_idx))
-        return {name: g.unsqueeze(0) for name, g in grads.items()}, metrics.unsqueeze(0)
-
-    seeds_grads = clipped_grads if num_seeds is None else stack_of_one if num_seeds == 1 else torch.func.vmap(clipped_grads)
+    seeds_grads = seeds.vmap(clipped_grads, num_seeds)
 
     def update(*batch_and_idx):
         grads, metrics = seeds_grads(optimizer.params, *batch_and_idx)

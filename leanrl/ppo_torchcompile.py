@@ -146,12 +146,12 @@ class Agent(nn.Module):
         return self.actor(obs), self.critic(obs).flatten()
 
 
-def make_update(agent, optimizer, args, num_seeds=None):
+def make_update(agent, optimizer, args, num_seeds=1):
     """One minibatch step on the rows `idx` of the rollout: gather, forward, backward (torch.func),
     `clip_grad_norm_`'s arithmetic and `optimizers.Adam`, one function that compiles to one graph (with
     `loss.backward()` and `optim.Adam.step()` it broke into three). Returns METRICS on the device.
     `num_seeds`: stacked seeds [seeds, ...] (parameters, rollout, `idx`, metrics), the gradient and
-    its clipping vmapped, a stack of one the agent's own ops (as `seeds.forward`); None: one agent."""
+    its clipping vmapped, a stack of one the agent's own ops (`seeds.vmap`)."""
     clip_coef, ent_coef, vf_coef = args.clip_coef, args.ent_coef, args.vf_coef
     norm_adv, clip_vloss, max_grad_norm = args.norm_adv, args.clip_vloss, args.max_grad_norm
 
@@ -198,11 +198,7 @@ def make_update(agent, optimizer, args, num_seeds=None):
         clip = (max_grad_norm / (grad_norm + 1e-6)).clamp(max=1.0)
         return {name: g * clip for name, g in grads.items()}, metrics
 
-    def stack_of_one(params, *batch_and_idx):
-        grads, metrics = clipped_grads({name: p[0] for name, p in params.items()}, *(x[0] for x in batch_and_idx))
-        return {name: g.unsqueeze(0) for name, g in grads.items()}, metrics.unsqueeze(0)
-
-    seeds_grads = clipped_grads if num_seeds is None else stack_of_one if num_seeds == 1 else torch.func.vmap(clipped_grads)
+    seeds_grads = seeds.vmap(clipped_grads, num_seeds)
 
     def update(*batch_and_idx):
         grads, metrics = seeds_grads(optimizer.params, *batch_and_idx)

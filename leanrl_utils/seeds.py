@@ -43,6 +43,24 @@ def forward(module, shared=()):
     return forward
 
 
+def vmap(fn, num_seeds):
+    """`fn(params, *inputs)` of one agent over stacked seeds (params, inputs and outputs [seeds, ...]):
+    torch.func.vmap, and for a stack of one the agent's own ops on seed 0's views, so that one seed
+    computes exactly what one agent computes (as `forward`)."""
+    if num_seeds > 1:
+        return torch.func.vmap(fn)
+
+    def unsqueeze(out):
+        if isinstance(out, (tuple, list)):
+            return type(out)(unsqueeze(x) for x in out)
+        return {k: unsqueeze(x) for k, x in out.items()} if isinstance(out, dict) else out.unsqueeze(0)
+
+    def one(params, *inputs):
+        return unsqueeze(fn({name: p[0] for name, p in params.items()}, *(x[0] for x in inputs)))
+
+    return one
+
+
 def runs(args, total_steps, script, resumed=None, rank=0):
     """One Run per seed of --num-seeds (seeds seed ... seed + num_seeds - 1), the first the lead."""
     num_seeds = getattr(args, "num_seeds", 1)
