@@ -14,34 +14,18 @@ from conftest import (
     NumpyDrawingAsLean,
     assert_one_line_error,
     assert_same_run,
-    load_script,
     main_in_process,
+    pair,
     recorded_runs,
     run_script,
-    scripts,
     short_env,
 )
 from torch.func import functional_call
 
 import leanrl_utils
 
-PLAIN_PATH, LEAN_PATH = scripts("dqn.py")[0], scripts("dqn_torchcompile.py")[0]
-BOTH = [PLAIN_PATH, LEAN_PATH]
-
-
-@pytest.fixture(scope="module")
-def plain():
-    return load_script(PLAIN_PATH)
-
-
-@pytest.fixture(scope="module")
-def lean():
-    return load_script(LEAN_PATH)
-
-
-def module_of(path, plain, lean):
-    return plain if path == PLAIN_PATH else lean
-
+FAMILY = "dqn"
+PLAIN_PATH, LEAN_PATH = BOTH = pair(FAMILY)
 
 # ---------------------------------------------------------------- epsilon schedule
 
@@ -103,13 +87,11 @@ SHORT_ID = short_env("CartPole-v1", SHORT_LIMIT)
 X_LIMIT, THETA_LIMIT = 2.4, 12 * 2 * np.pi / 360
 
 
-@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
-def test_stored_transitions_follow_the_episodes(path, plain, lean, monkeypatch, tmp_path):
+def test_stored_transitions_follow_the_episodes(either, monkeypatch, tmp_path):
     """Every stored transition is one real step: its next observation is the true one (the final
     observation where an episode ended, never the reset one), the done flag is set on
     terminations only (a truncation bootstraps), and no transition spans an autoreset."""
-    module = module_of(path, plain, lean)
-    records = []
+    module, records = either, []
     add = module.ReplayBuffer.add
 
     def recording_add(self, *args, **rows):
@@ -468,16 +450,12 @@ def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path)
 # ---------------------------------------------------------------- bad input
 
 
+@pytest.mark.parametrize(
+    "env_id, word", [("Pendulum-v1", "discrete"), ("CartPol-v1", "unknown")], ids=["continuous", "unknown"]
+)
 @pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
-def test_continuous_action_env_is_one_line(path, workdir):
-    _, proc = run_script(path, "--env-id", "Pendulum-v1", cwd=workdir, check=False)
-    assert_one_line_error(proc, "Pendulum-v1", "discrete")
-
-
-@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
-def test_unknown_env_id_is_one_line(path, workdir):
-    _, proc = run_script(path, "--env-id", "CartPol-v1", cwd=workdir, check=False)
-    assert_one_line_error(proc, "CartPol-v1", "unknown")
+def test_continuous_or_unknown_env_is_one_line(path, env_id, word, workdir):
+    assert_one_line_error(run_script(path, "--env-id", env_id, cwd=workdir, check=False)[1], env_id, word)
 
 
 # ---------------------------------------------------------------- learning

@@ -14,22 +14,17 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import NumpyDrawingAsLean, assert_same_run, load_script, main_in_process, recorded_runs, scripts
+from conftest import (
+    NumpyDrawingAsLean,
+    assert_same_run,
+    main_in_process,
+    recorded_runs,
+    refused_in_process,
+)
 
 import leanrl_utils
 
-PLAIN_PATH, LEAN_PATH = scripts("dqn_atari_envpool.py")[0], scripts("dqn_atari_envpool_torchcompile.py")[0]
-BOTH = [PLAIN_PATH, LEAN_PATH]
-
-
-@pytest.fixture(scope="module")
-def plain():
-    return load_script(PLAIN_PATH)
-
-
-@pytest.fixture(scope="module")
-def lean():
-    return load_script(LEAN_PATH)
+FAMILY = "dqn_atari_envpool"
 
 
 # ---------------------------------------------------------------- frame buffer
@@ -352,7 +347,6 @@ def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path)
 # ---------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
 @pytest.mark.parametrize(
     "argv,words",
     [
@@ -363,11 +357,5 @@ def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path)
     ],
     ids=["not-atari", "small-buffer", "learning-starts", "batch"],
 )
-def test_bad_input_is_one_line(path, argv, words, plain, lean, monkeypatch, tmp_path, capsys):
-    module = plain if path == PLAIN_PATH else lean
-    assert main_in_process(module, *argv, tmp_path=tmp_path, monkeypatch=monkeypatch) == 2
-    out, err = capsys.readouterr()
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "Traceback" not in err and out.strip() == "", err
-    for word in words:
-        assert word.lower() in errors[0].lower(), errors[0]
+def test_bad_input_is_one_line(either, argv, words, monkeypatch, tmp_path, capsys):
+    refused_in_process(either, *argv, words=words, tmp_path=tmp_path, monkeypatch=monkeypatch, capsys=capsys)

@@ -3,13 +3,10 @@ and exit status 2 before any training; SIGINT and SIGTERM save a finite checkpoi
 summary; checkpoints load as tensors only; the plumbing lives once, in leanrl_utils."""
 
 import contextlib
-import json
 import os
 import pickle
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,11 +17,14 @@ from conftest import (
     assert_refused_before_work,
     family,
     is_lean,
+    last_summary,
     load_script,
     main_in_process,
     run_script,
-    script_command,
     scripts,
+    start_long_run,
+    stop_and_read,
+    wait_for,
 )
 
 import leanrl_utils
@@ -66,12 +66,6 @@ def test_bad_flag_is_one_line_before_any_work(script, flag, value, tmp_path, mon
         load_script(script), f"--{flag.replace('_', '-')}", value, tmp_path=tmp_path, monkeypatch=monkeypatch
     )
     assert_refused_before_work(code, capsys, tmp_path, f"--{flag.replace('_', '-')}")
-
-
-@pytest.mark.parametrize("script", ALL, ids=lambda s: s.stem)
-def test_zero_budget_without_a_checkpoint_is_one_line(script, tmp_path, monkeypatch, capsys):
-    code = main_in_process(load_script(script), "--total-timesteps", 0, tmp_path=tmp_path, monkeypatch=monkeypatch)
-    assert_refused_before_work(code, capsys, tmp_path, "--total-timesteps")
 
 
 @pytest.mark.parametrize("script", ALL, ids=lambda s: s.stem)
@@ -149,52 +143,13 @@ def test_only_finite_weights_are_saved(script, tmp_path, monkeypatch, capsys):
         with pytest.raises(SystemExit) if stop_reason else contextlib.nullcontext():
             run.finish(0, 0, {"net": net}, None, device="cpu")
         out, err = capsys.readouterr()
-        summary = json.loads(out.strip().splitlines()[-1], parse_constant=pytest.fail)
+        summary = last_summary(out)
         if expected is None:
             assert summary["checkpoint"] is None and "no checkpoint" in err
             continue
         weight = torch.load(summary["checkpoint"], weights_only=True)["model"]["net"]["weight"]
         assert torch.isfinite(weight).all()
         assert torch.all(weight == (7.0 if expected == "last" else 1.0))
-
-
-def start_long_run(script, workdir, *extra, before=None):
-    """The script at its tiny settings but `extra`, in the background; `before`: Python source
-    that its process runs first."""
-    tiny = TINY[family(script)]
-    i = tiny.index("--total-timesteps")
-    argv = [*tiny[:i], *tiny[i + 2 :], *map(str, extra)]
-    command = script_command(script, before=before) if before else [sys.executable, str(script)]
-    # A shell without job control starts background jobs with SIGINT ignored: give the script the
-    # default disposition, as in a terminal.
-    return subprocess.Popen(
-        [*command, *argv],
-        cwd=workdir,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
-
-
-def wait_for(proc, text, timeout=180):
-    seen, deadline = "", time.time() + timeout
-    while text not in seen and time.time() < deadline and proc.poll() is None:
-        seen += os.read(proc.stderr.fileno(), 4096).decode(errors="replace")
-    assert text in seen, seen
-    return seen
-
-
-def stop_and_read(proc, signum, seen, send=True):
-    """Send `signum` (or, with send=False, wait for the one the script sends itself); the exit
-    status it stands for, no traceback; returns the summary."""
-    if send:
-        proc.send_signal(signum)
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signum, (proc.returncode, seen + stderr)
-    assert "Traceback" not in stderr, stderr
-    return json.loads(stdout.strip().splitlines()[-1], parse_constant=pytest.fail)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])

@@ -12,38 +12,24 @@ import torch
 import torch.nn as nn
 from conftest import (
     TINY,
-    assert_one_line_error,
+    assert_bad_input,
     assert_ppo_compiled_update_matches_eager,
     assert_ppo_lean_update_is_plain,
+    assert_ppo_same_draws_same_run,
     assert_ppo_stack_of_one_is_the_one_agent,
-    assert_same_run,
     changed_mlp,
-    load_script,
     main_in_process,
+    pair,
     ppo_lean_update,
-    recorded_runs,
     run_script,
-    scripts,
-    short_env,
-    shuffle_as_lean,
+    same_seed_runs,
 )
 
 import leanrl_utils
 
-PLAIN_PATH = scripts("ppo.py")[0]
-LEAN_PATH = scripts("ppo_torchcompile.py")[0]
-BOTH = [PLAIN_PATH, LEAN_PATH]
+FAMILY = "ppo"
+PLAIN_PATH, LEAN_PATH = BOTH = pair(FAMILY)
 N_OBS, N_ACT, BATCH, MINIBATCH = 4, 3, 256, 64
-
-
-@pytest.fixture(scope="module")
-def plain():
-    return load_script(PLAIN_PATH)
-
-
-@pytest.fixture(scope="module")
-def lean():
-    return load_script(LEAN_PATH)
 
 
 def random_batch(generator):
@@ -242,36 +228,15 @@ def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path)
     minibatch updates. So the scripts differ only in how they draw (inverse CDF on numpy's uniforms
     against torch.multinomial, torch.randperm against np.random.shuffle: the same distributions)
     and in float rounding (metrics rel 1e-5, weights rtol 1e-4, atol 1e-6)."""
-    monkeypatch.chdir(tmp_path)
-    args = dict(
-        env_id=short_env("CartPole-v1", 20),
-        num_envs=2,
-        num_steps=64,
-        total_timesteps=512,
-        num_minibatches=2,
-        update_epochs=2,
-    )
     rng = np.random.default_rng(1)  # what the lean policy seeds with --seed 1
     monkeypatch.setattr(plain, "Categorical", categorical_drawing_from(rng))
-    monkeypatch.setattr(plain.np.random, "shuffle", shuffle_as_lean)
-    get_value = plain.Agent.get_value
-
-    def get_value_drawing(self, x):
-        # The lean script bootstraps through its policy, which draws (unused) uniforms.
-        rng.random((len(x), 1), dtype=np.float32)
-        return get_value(self, x)
-
-    monkeypatch.setattr(plain.Agent, "get_value", get_value_drawing)
-    plain_run, lean_run = recorded_runs([plain, lean], args, monkeypatch)
-    assert len(lean_run[0]) == 4
-    assert_same_run(plain_run, lean_run, [*lean.METRICS, "charts/learning_rate", "losses/explained_variance"])
+    uniforms = lambda agent, obs: rng.random((len(obs), 1), dtype=np.float32)
+    assert_ppo_same_draws_same_run(plain, lean, "CartPole-v1", uniforms, monkeypatch, tmp_path)
 
 
 @pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
 def test_same_seed_same_run(path, workdir):
-    timing = {"wall_s", "sps", "warmup_s", "peak_rss_mb", "run_dir"}
-    runs = [run_script(path, *TINY["ppo"], cwd=workdir)[0] for _ in range(2)]
-    first, second = ({k: v for k, v in run.items() if k not in timing} for run in runs)
+    (first, second), _ = same_seed_runs(path, workdir)
     assert first == second and first["updates"] == 16 and first["episodic_return"] is not None
 
 
@@ -300,6 +265,4 @@ def test_learns_cartpole(path, workdir):
     ids=["box-env", "minibatches", "below-one-batch", "minibatch-of-one"],
 )
 def test_bad_input_is_one_clear_line(path, bad_args, words, workdir):
-    _, proc = run_script(path, *TINY["ppo"], *bad_args, cwd=workdir, check=False)
-    assert_one_line_error(proc, *words)
-    assert proc.returncode == 2
+    assert_bad_input(path, *TINY["ppo"], *bad_args, words=words, cwd=workdir)

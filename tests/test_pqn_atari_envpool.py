@@ -12,22 +12,18 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from conftest import TorchDrawingAsLean, assert_same_run, load_script, main_in_process, recorded_runs, scripts, shuffle_as_lean
+from conftest import (
+    TorchDrawingAsLean,
+    assert_same_run,
+    main_in_process,
+    recorded_runs,
+    refused_in_process,
+    shuffle_as_lean,
+)
 
 import leanrl_utils
 
-PLAIN_PATH, LEAN_PATH = scripts("pqn_atari_envpool.py")[0], scripts("pqn_atari_envpool_torchcompile.py")[0]
-BOTH = [PLAIN_PATH, LEAN_PATH]
-
-
-@pytest.fixture(scope="module")
-def plain():
-    return load_script(PLAIN_PATH)
-
-
-@pytest.fixture(scope="module")
-def lean():
-    return load_script(LEAN_PATH)
+FAMILY = "pqn_atari_envpool"
 
 
 # ---------------------------------------------------------------- Q(lambda) returns
@@ -312,7 +308,6 @@ def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path)
 # ---------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
 @pytest.mark.parametrize(
     "argv,words",
     [
@@ -323,11 +318,5 @@ def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path)
     ],
     ids=["not-atari", "minibatches", "budget", "lambda"],
 )
-def test_bad_input_is_one_line(path, argv, words, plain, lean, monkeypatch, tmp_path, capsys):
-    module = plain if path == PLAIN_PATH else lean
-    assert main_in_process(module, *argv, tmp_path=tmp_path, monkeypatch=monkeypatch) == 2
-    out, err = capsys.readouterr()
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "Traceback" not in err and out.strip() == "", err
-    for word in words:
-        assert word.lower() in errors[0].lower(), errors[0]
+def test_bad_input_is_one_line(either, argv, words, monkeypatch, tmp_path, capsys):
+    refused_in_process(either, *argv, words=words, tmp_path=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
