@@ -237,6 +237,36 @@ class NumpyDrawingAsLean:
             return torch.randint(high, (size,)).numpy()  # a minibatch's rows, randint(0, rows, size=batch)
 
 
+def atari_batch(n, seed, *fields, n_act=4):
+    """A flat rollout batch of Atari frames as a lean script feeds its update: frames, actions,
+    `fields` (each drawn by a function of the size and the generator) and valid, about 1 step in 8
+    a reset step (valid 0)."""
+    g = torch.Generator().manual_seed(seed)
+    frames = torch.randint(0, 256, (n, 4, 84, 84), dtype=torch.uint8, generator=g)
+    actions = torch.randint(0, n_act, (n,), generator=g)
+    return (frames, actions, *(draw(n, g) for draw in fields), (torch.rand(n, generator=g) > 0.125).float())
+
+
+def assert_dqn_step_is_the_plain_step(metrics, nets, optimizer, batch, gamma, seed_net, tolerance, msg=""):
+    """The plain DQN scripts' step as written in their loops, on one seed's batch (obs, actions,
+    next_obs, rewards, dones) with its Q-network and target `nets`: the lean update's metrics
+    (td_loss, q_values) and that seed's parameters after it are the step's loss, mean Q and
+    parameters, within `tolerance`."""
+    (q_ref, target_ref), (obs, actions, next_obs, rewards, dones) = nets, batch
+    with torch.no_grad():
+        target_max, _ = target_ref(next_obs).max(dim=1)
+        td_target = rewards + gamma * target_max * (1 - dones)
+    old_val = q_ref(obs).gather(1, actions.unsqueeze(1)).squeeze(1)
+    loss = torch.nn.functional.mse_loss(td_target, old_val)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    torch.testing.assert_close(metrics[0], loss.detach(), **tolerance)
+    torch.testing.assert_close(metrics[1], old_val.mean().detach(), **tolerance)
+    for name, value in q_ref.state_dict().items():
+        torch.testing.assert_close(seed_net.state_dict()[name], value, **tolerance, msg=f"{msg}{name}")
+
+
 def build_plain_targets_too(lean, monkeypatch, targets):
     """The plain SAC and TD3 scripts build their target networks as modules, whose initial
     weights (overwritten by copies at once) draw from torch's stream; the lean scripts clone
@@ -386,6 +416,13 @@ def tiny(script, *argv, **flags):
             del out[out.index(flag) : out.index(flag) + 2]
         out += [] if value is None else [flag, str(value)]
     return [*out, *map(str, argv)]
+
+
+def tiny_args(script, *argv):
+    """The script's Args at its tiny settings plus `argv`."""
+    import tyro
+
+    return tyro.cli(load_script(script).Args, args=tiny(script, *argv))
 
 
 def tiny_value(script, flag, default=None):

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from conftest import (
     NumpyDrawingAsLean,
+    assert_dqn_step_is_the_plain_step,
     assert_one_line_error,
     assert_same_run,
     main_in_process,
@@ -373,23 +373,11 @@ def test_lean_update_is_the_plain_update(lean, num_seeds):
         assert metrics.shape == (len(lean.METRICS), num_seeds)
         for k, ((q_ref, target_ref), optimizer) in enumerate(zip(refs, optimizers)):
             rows = idx.view(num_seeds, -1)[k]
-            obs, actions, next_obs = (
-                storage["obs"][rows, k],
-                storage["actions"][rows, k].unsqueeze(1),
-                storage["next_obs"][rows, k],
+            batch = [storage[key][rows, k] for key in ("obs", "actions", "next_obs", "rewards", "dones")]
+            nets = (q_ref, target_ref)
+            assert_dqn_step_is_the_plain_step(
+                metrics[:, k], nets, optimizer, batch, args.gamma, seed_nets[k], EXACT[num_seeds], f"seed {k} "
             )
-            with torch.no_grad():
-                target_max, _ = target_ref(next_obs).max(dim=1)
-                td_target = storage["rewards"][rows, k] + args.gamma * target_max * (1 - storage["dones"][rows, k])
-            old_val = q_ref(obs).gather(1, actions).squeeze(1)
-            loss = F.mse_loss(td_target, old_val)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            torch.testing.assert_close(metrics[0, k], loss.detach(), **EXACT[num_seeds])
-            torch.testing.assert_close(metrics[1, k], old_val.mean().detach(), **EXACT[num_seeds])
-            for name, value in q_ref.state_dict().items():
-                torch.testing.assert_close(seed_nets[k].state_dict()[name], value, **EXACT[num_seeds], msg=f"seed {k} {name}")
 
 
 @SEEDS

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from conftest import (
     NumpyDrawingAsLean,
+    assert_dqn_step_is_the_plain_step,
     assert_same_run,
     main_in_process,
     recorded_runs,
@@ -232,20 +232,17 @@ def test_lean_update_is_the_plain_update(plain, lean, num_seeds):
         metrics = update(idx)
         for k, ((q_ref, target_ref), optimizer) in enumerate(zip(refs, optimizers)):
             rows, cols = idx.view(2, num_seeds, -1)[:, k].numpy()
-            obs = torch.from_numpy(rb.stacks(rows, cols))
-            next_obs = torch.from_numpy(rb.stacks((rows + 1) % 40, cols))
-            with torch.no_grad():
-                target_max, _ = target_ref(next_obs).max(dim=1)
-                td_target = storage["rewards"][rows, cols] + 0.99 * target_max * (1 - storage["dones"][rows, cols])
-            old_val = q_ref(obs).gather(1, storage["actions"][rows, cols].unsqueeze(1)).squeeze(1)
-            loss = F.mse_loss(td_target, old_val)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            torch.testing.assert_close(metrics[0, k], loss.detach(), **EXACT[num_seeds])
-            torch.testing.assert_close(metrics[1, k], old_val.mean().detach(), **EXACT[num_seeds])
-            for name, value in q_ref.state_dict().items():
-                torch.testing.assert_close(seed_nets[k].state_dict()[name], value, **EXACT[num_seeds], msg=name)
+            obs, next_obs = (torch.from_numpy(rb.stacks(r, cols)) for r in (rows, (rows + 1) % 40))
+            batch = (
+                obs,
+                storage["actions"][rows, cols],
+                next_obs,
+                storage["rewards"][rows, cols],
+                storage["dones"][rows, cols],
+            )
+            assert_dqn_step_is_the_plain_step(
+                metrics[:, k], (q_ref, target_ref), optimizer, batch, 0.99, seed_nets[k], EXACT[num_seeds]
+            )
 
 
 def test_compiled_update_matches_eager(lean):

@@ -19,6 +19,7 @@ from conftest import (
     assert_bad_input,
     assert_one_line_error,
     assert_same_run,
+    atari_batch,
     load_script,
     main_in_process,
     pair,
@@ -35,19 +36,10 @@ PLAIN_PATH, LEAN_PATH = PAIR = pair(FAMILY)
 TINY_ARGS = dict(env_id="Breakout-v5", num_envs=2, num_steps=16, total_timesteps=64, num_minibatches=2, update_epochs=2)
 
 
-def make_batch(n, n_act=4, seed=0):
-    """A flat rollout batch as the lean script feeds its update; about 1 step in 8 is a reset
-    step (valid 0)."""
-    g = torch.Generator().manual_seed(seed)
-    return (
-        torch.randint(0, 256, (n, 4, 84, 84), dtype=torch.uint8, generator=g),
-        torch.randint(0, n_act, (n,), generator=g),
-        -torch.rand(n, generator=g) - 1.0,
-        torch.randn(n, generator=g),
-        torch.randn(n, generator=g),
-        torch.randn(n, generator=g),
-        (torch.rand(n, generator=g) > 0.125).float(),
-    )
+def make_batch(n, seed=0):
+    """A rollout batch (`atari_batch`): old log-probabilities, advantages, returns and values."""
+    logprobs, normal = (lambda n, g: -torch.rand(n, generator=g) - 1.0), (lambda n, g: torch.randn(n, generator=g))
+    return atari_batch(n, seed, logprobs, normal, normal, normal)
 
 
 def agent_and_update(lean, args, source=None, compiled=False):

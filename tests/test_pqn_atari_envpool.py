@@ -15,6 +15,7 @@ import torch.nn as nn
 from conftest import (
     TorchDrawingAsLean,
     assert_same_run,
+    atari_batch,
     main_in_process,
     recorded_runs,
     refused_in_process,
@@ -84,16 +85,9 @@ def test_epsilon_schedule_end_points_in_both_scripts(plain, lean):
 # ---------------------------------------------------------------- update numerics
 
 
-def make_batch(n, n_act=4, seed=0):
-    """A flat rollout batch as the lean script feeds its update; about 1 step in 8 is a reset
-    step (valid 0)."""
-    g = torch.Generator().manual_seed(seed)
-    return (
-        torch.randint(0, 256, (n, 4, 84, 84), dtype=torch.uint8, generator=g),
-        torch.randint(0, n_act, (n,), generator=g),
-        3 * torch.rand(n, generator=g),
-        (torch.rand(n, generator=g) > 0.125).float(),
-    )
+def make_batch(n, seed=0):
+    """A rollout batch (`atari_batch`) with Q(lambda) returns."""
+    return atari_batch(n, seed, lambda n, g: 3 * torch.rand(n, generator=g))
 
 
 def test_lean_network_is_the_plain_network(plain, lean):
