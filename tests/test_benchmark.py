@@ -9,6 +9,9 @@ import time
 
 from conftest import ROOT, load_script
 
+# What bench.summarize is told about the machine and the run.
+INFO = {"cpu": "x", "cores": 1, "gpu": None, "torch": "t", "python": "p", "command": "c"}
+
 
 def load_bench():
     return load_script(ROOT / "benchmark" / "bench.py")
@@ -43,7 +46,7 @@ def test_cudagraphs_modes_are_not_applicable_without_cuda():
     records = [
         {"family": "ppo_continuous_action", "mode": "plain", "script": "ppo_continuous_action.py", "seed": 1, "sps": 9.0}
     ]
-    info = {"cpu": "x", "cores": 1, "gpu": None, "torch": "t", "python": "p", "command": "c", "profile": "tiny", "seeds": [1]}
+    info = {**INFO, "profile": "tiny", "seeds": [1]}
     rows = [line for line in bench.summarize(records, skipped, {}, info).splitlines() if "n/a (needs CUDA)" in line]
     assert [row.split(" | ")[2] for row in rows] == ["cudagraphs", "compile+cudagraphs"]
     runs, skipped = bench.plan(["ppo_continuous_action"], [1], "tiny", cuda=True)
@@ -73,16 +76,7 @@ def test_paired_ratio_is_taken_per_seed_then_the_median(tmp_path):
         {"family": "f", "mode": "compile", "script": "f_torchcompile.py", "seed": s, "sps": lean[s]} for s in (3, 1, 2)
     ]
     assert sorted(bench.paired_ratios(records[3:], records[:3])) == [1.0, 1.5, 3.0]
-    info = {
-        "cpu": "x",
-        "cores": 1,
-        "gpu": None,
-        "torch": "t",
-        "python": "p",
-        "command": "c",
-        "profile": "quick",
-        "seeds": [1, 2, 3],
-    }
+    info = {**INFO, "profile": "quick", "seeds": [1, 2, 3]}
     table = bench.summarize(records, [], {}, info)
     row = next(line for line in table.splitlines() if "| compile |" in line)
     cols = [c.strip() for c in row.strip("|").split("|")]
@@ -174,16 +168,7 @@ def test_ceilings_appear_in_the_table_as_fractions_of_the_median():
     bench = load_bench()
     records = [{"family": "dqn", "mode": "plain", "script": "dqn.py", "seed": s, "sps": 50.0} for s in (1, 2)]
     ceilings = {"dqn": {"env": {"sps": 200.0}, "arith": {"sps": 100.0, "gflop_per_step": 0.001, "gflops": 30.0}}}
-    info = {
-        "cpu": "x",
-        "cores": 1,
-        "gpu": None,
-        "torch": "t",
-        "python": "p",
-        "command": "c",
-        "profile": "quick",
-        "seeds": [1, 2],
-    }
+    info = {**INFO, "profile": "quick", "seeds": [1, 2]}
     table = bench.summarize(records, [], ceilings, info)
     row = next(line for line in table.splitlines() if "| plain |" in line)
     assert [c.strip() for c in row.strip("|").split("|")][7:9] == ["25%", "50%"]
@@ -204,16 +189,7 @@ def test_warm_up_is_split_into_the_cold_first_seed_and_the_warm_others():
         }
         for s, w in ((1, 30.0), (2, 4.0), (3, 6.0), (4, 100.0))
     ]
-    info = {
-        "cpu": "x",
-        "cores": 1,
-        "gpu": None,
-        "torch": "t",
-        "python": "p",
-        "command": "c",
-        "profile": "quick",
-        "seeds": [1, 2, 3, 4],
-    }
+    info = {**INFO, "profile": "quick", "seeds": [1, 2, 3, 4]}
     row = next(line for line in bench.summarize(records, [], {}, info).splitlines() if "| compile |" in line)
     assert [c.strip() for c in row.strip("|").split("|")][9:11] == ["30.0", "6.0"]
 

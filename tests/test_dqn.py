@@ -9,39 +9,23 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from conftest import (
     NumpyDrawingAsLean,
+    assert_dqn_step_is_the_plain_step,
     assert_one_line_error,
     assert_same_run,
-    load_script,
     main_in_process,
+    pair,
     recorded_runs,
     run_script,
-    scripts,
     short_env,
 )
 from torch.func import functional_call
 
 import leanrl_utils
 
-PLAIN_PATH, LEAN_PATH = scripts("dqn.py")[0], scripts("dqn_torchcompile.py")[0]
-BOTH = [PLAIN_PATH, LEAN_PATH]
-
-
-@pytest.fixture(scope="module")
-def plain():
-    return load_script(PLAIN_PATH)
-
-
-@pytest.fixture(scope="module")
-def lean():
-    return load_script(LEAN_PATH)
-
-
-def module_of(path, plain, lean):
-    return plain if path == PLAIN_PATH else lean
-
+FAMILY = "dqn"
+PLAIN_PATH, LEAN_PATH = BOTH = pair(FAMILY)
 
 # ---------------------------------------------------------------- epsilon schedule
 
@@ -103,13 +87,11 @@ SHORT_ID = short_env("CartPole-v1", SHORT_LIMIT)
 X_LIMIT, THETA_LIMIT = 2.4, 12 * 2 * np.pi / 360
 
 
-@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
-def test_stored_transitions_follow_the_episodes(path, plain, lean, monkeypatch, tmp_path):
+def test_stored_transitions_follow_the_episodes(either, monkeypatch, tmp_path):
     """Every stored transition is one real step: its next observation is the true one (the final
     observation where an episode ended, never the reset one), the done flag is set on
     terminations only (a truncation bootstraps), and no transition spans an autoreset."""
-    module = module_of(path, plain, lean)
-    records = []
+    module, records = either, []
     add = module.ReplayBuffer.add
 
     def recording_add(self, *args, **rows):
@@ -391,23 +373,11 @@ def test_lean_update_is_the_plain_update(lean, num_seeds):
         assert metrics.shape == (len(lean.METRICS), num_seeds)
         for k, ((q_ref, target_ref), optimizer) in enumerate(zip(refs, optimizers)):
             rows = idx.view(num_seeds, -1)[k]
-            obs, actions, next_obs = (
-                storage["obs"][rows, k],
-                storage["actions"][rows, k].unsqueeze(1),
-                storage["next_obs"][rows, k],
+            batch = [storage[key][rows, k] for key in ("obs", "actions", "next_obs", "rewards", "dones")]
+            nets = (q_ref, target_ref)
+            assert_dqn_step_is_the_plain_step(
+                metrics[:, k], nets, optimizer, batch, args.gamma, seed_nets[k], EXACT[num_seeds], f"seed {k} "
             )
-            with torch.no_grad():
-                target_max, _ = target_ref(next_obs).max(dim=1)
-                td_target = storage["rewards"][rows, k] + args.gamma * target_max * (1 - storage["dones"][rows, k])
-            old_val = q_ref(obs).gather(1, actions).squeeze(1)
-            loss = F.mse_loss(td_target, old_val)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            torch.testing.assert_close(metrics[0, k], loss.detach(), **EXACT[num_seeds])
-            torch.testing.assert_close(metrics[1, k], old_val.mean().detach(), **EXACT[num_seeds])
-            for name, value in q_ref.state_dict().items():
-                torch.testing.assert_close(seed_nets[k].state_dict()[name], value, **EXACT[num_seeds], msg=f"seed {k} {name}")
 
 
 @SEEDS
@@ -468,16 +438,12 @@ def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path)
 # ---------------------------------------------------------------- bad input
 
 
+@pytest.mark.parametrize(
+    "env_id, word", [("Pendulum-v1", "discrete"), ("CartPol-v1", "unknown")], ids=["continuous", "unknown"]
+)
 @pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
-def test_continuous_action_env_is_one_line(path, workdir):
-    _, proc = run_script(path, "--env-id", "Pendulum-v1", cwd=workdir, check=False)
-    assert_one_line_error(proc, "Pendulum-v1", "discrete")
-
-
-@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
-def test_unknown_env_id_is_one_line(path, workdir):
-    _, proc = run_script(path, "--env-id", "CartPol-v1", cwd=workdir, check=False)
-    assert_one_line_error(proc, "CartPol-v1", "unknown")
+def test_continuous_or_unknown_env_is_one_line(path, env_id, word, workdir):
+    assert_one_line_error(run_script(path, "--env-id", env_id, cwd=workdir, check=False)[1], env_id, word)
 
 
 # ---------------------------------------------------------------- learning

@@ -13,23 +13,18 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-from conftest import NumpyDrawingAsLean, assert_same_run, load_script, main_in_process, recorded_runs, scripts
+from conftest import (
+    NumpyDrawingAsLean,
+    assert_dqn_step_is_the_plain_step,
+    assert_same_run,
+    main_in_process,
+    recorded_runs,
+    refused_in_process,
+)
 
 import leanrl_utils
 
-PLAIN_PATH, LEAN_PATH = scripts("dqn_atari_envpool.py")[0], scripts("dqn_atari_envpool_torchcompile.py")[0]
-BOTH = [PLAIN_PATH, LEAN_PATH]
-
-
-@pytest.fixture(scope="module")
-def plain():
-    return load_script(PLAIN_PATH)
-
-
-@pytest.fixture(scope="module")
-def lean():
-    return load_script(LEAN_PATH)
+FAMILY = "dqn_atari_envpool"
 
 
 # ---------------------------------------------------------------- frame buffer
@@ -237,20 +232,17 @@ def test_lean_update_is_the_plain_update(plain, lean, num_seeds):
         metrics = update(idx)
         for k, ((q_ref, target_ref), optimizer) in enumerate(zip(refs, optimizers)):
             rows, cols = idx.view(2, num_seeds, -1)[:, k].numpy()
-            obs = torch.from_numpy(rb.stacks(rows, cols))
-            next_obs = torch.from_numpy(rb.stacks((rows + 1) % 40, cols))
-            with torch.no_grad():
-                target_max, _ = target_ref(next_obs).max(dim=1)
-                td_target = storage["rewards"][rows, cols] + 0.99 * target_max * (1 - storage["dones"][rows, cols])
-            old_val = q_ref(obs).gather(1, storage["actions"][rows, cols].unsqueeze(1)).squeeze(1)
-            loss = F.mse_loss(td_target, old_val)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            torch.testing.assert_close(metrics[0, k], loss.detach(), **EXACT[num_seeds])
-            torch.testing.assert_close(metrics[1, k], old_val.mean().detach(), **EXACT[num_seeds])
-            for name, value in q_ref.state_dict().items():
-                torch.testing.assert_close(seed_nets[k].state_dict()[name], value, **EXACT[num_seeds], msg=name)
+            obs, next_obs = (torch.from_numpy(rb.stacks(r, cols)) for r in (rows, (rows + 1) % 40))
+            batch = (
+                obs,
+                storage["actions"][rows, cols],
+                next_obs,
+                storage["rewards"][rows, cols],
+                storage["dones"][rows, cols],
+            )
+            assert_dqn_step_is_the_plain_step(
+                metrics[:, k], (q_ref, target_ref), optimizer, batch, 0.99, seed_nets[k], EXACT[num_seeds]
+            )
 
 
 def test_compiled_update_matches_eager(lean):
@@ -352,7 +344,6 @@ def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path)
 # ---------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
 @pytest.mark.parametrize(
     "argv,words",
     [
@@ -363,11 +354,5 @@ def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path)
     ],
     ids=["not-atari", "small-buffer", "learning-starts", "batch"],
 )
-def test_bad_input_is_one_line(path, argv, words, plain, lean, monkeypatch, tmp_path, capsys):
-    module = plain if path == PLAIN_PATH else lean
-    assert main_in_process(module, *argv, tmp_path=tmp_path, monkeypatch=monkeypatch) == 2
-    out, err = capsys.readouterr()
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "Traceback" not in err and out.strip() == "", err
-    for word in words:
-        assert word.lower() in errors[0].lower(), errors[0]
+def test_bad_input_is_one_line(either, argv, words, monkeypatch, tmp_path, capsys):
+    refused_in_process(either, *argv, words=words, tmp_path=tmp_path, monkeypatch=monkeypatch, capsys=capsys)

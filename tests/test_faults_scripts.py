@@ -1,7 +1,7 @@
-"""Nothing lost, part two, the scripts' side (issue 48, every script from a glob): a budget that
-trains nothing, evaluation only, rollout storage against memory, env ids that cannot be made,
-bad input and Ctrl-C under torchrun, Ctrl-C before the run exists. Each refusal is one `error:`
-line and exit status 2 before any work: no run folder, no large allocation."""
+"""Every script from a glob: a budget that trains nothing, evaluation only, rollout storage
+against memory, env ids that cannot be made, bad input and Ctrl-C under torchrun, Ctrl-C before
+the run exists, a PPO run that blows up. Each refusal is one `error:` line and exit status 2
+before any work: no run folder, no large allocation."""
 
 import os
 import shlex
@@ -18,10 +18,13 @@ from conftest import (
     assert_one_line_error,
     family,
     load_script,
-    main_in_process,
+    refused_in_process,
     run_script,
     script_command,
+    script_env,
     scripts,
+    tiny,
+    tiny_value,
 )
 from test_torchrun import LEAN_PPO, TORCHRUN, summaries, torchrun
 
@@ -47,13 +50,9 @@ def refused(script, *argv, tmp_path, monkeypatch, capsys):
         if hasattr(module, name):
             monkeypatch.setattr(module, name, started)
     peak = leanrl_utils.summary.peak_rss_mb()
-    code = main_in_process(module, *map(str, argv), tmp_path=tmp_path, monkeypatch=monkeypatch)
-    out, err = capsys.readouterr()
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert code == 2 and len(errors) == 1 and "Traceback" not in err, (code, err)
-    assert out.strip() == "" and not (tmp_path / "runs").exists(), out
-    assert leanrl_utils.summary.peak_rss_mb() < peak + 1024
-    return errors[0]
+    line = refused_in_process(module, *argv, tmp_path=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    assert not (tmp_path / "runs").exists() and leanrl_utils.summary.peak_rss_mb() < peak + 1024
+    return line
 
 
 # ---------------------------------------------------------------- a budget that ends before learning
@@ -62,7 +61,7 @@ def refused(script, *argv, tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize(
     "total, starts",
     [(300, 5000), (2000, 10_000), (100, 100)],
-    ids=["sac-issue", "dqn-default-issue", "last-step-is-learning-starts"],
+    ids=["sac-short-budget", "dqn-default-learning-starts", "last-step-is-learning-starts"],
 )
 @pytest.mark.parametrize("script", OFF_POLICY, ids=lambda s: s.stem)
 def test_budget_that_ends_before_learning_starts_is_refused(script, total, starts, tmp_path, monkeypatch, capsys):
@@ -113,10 +112,7 @@ def test_zero_budget_is_evaluation_only(script, argv, tmp_path, monkeypatch, cap
 @pytest.mark.parametrize("flag, value", [("--num-steps", 10**12), ("--num-envs", 10**9)], ids=["num-steps", "num-envs"])
 @pytest.mark.parametrize("script", ROLLOUT, ids=lambda s: s.stem)
 def test_rollout_beyond_memory_is_one_line_before_allocating(script, flag, value, tmp_path, monkeypatch, capsys):
-    tiny = TINY[family(script)]
-    num_envs = int(tiny[tiny.index("--num-envs") + 1]) if "--num-envs" in tiny else 1
-    num_steps = int(tiny[tiny.index("--num-steps") + 1])
-    sizes = {"--num-steps": num_steps, "--num-envs": num_envs, flag: value}
+    sizes = {"--num-steps": tiny_value(script, "--num-steps"), "--num-envs": tiny_value(script, "--num-envs", 1), flag: value}
     argv = [flag, value, "--total-timesteps", sizes["--num-steps"] * sizes["--num-envs"]]
     error = refused(script, *argv, tmp_path=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
     assert f"{flag} {value}" in error and "GiB" in error, error
@@ -167,7 +163,7 @@ def test_ctrl_c_before_the_run_is_one_line_and_130(script, case, tmp_path):
     proc = subprocess.run(
         script_command(script, before=CTRL_C_BEFORE_THE_RUN[case]),
         cwd=tmp_path,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"},
+        env=script_env(),
         capture_output=True,
         text=True,
         timeout=120,
@@ -250,13 +246,10 @@ def test_ctrl_c_to_the_torchrun_group_saves_and_exits_130(workdir):
     """Ctrl-C in a terminal reaches torchrun and every rank: rank 0 saves, prints its summary, and
     every rank exits 130 without a traceback (torchrun's own SignalException report aside)."""
     script = LEAN_PPO[0]
-    tiny = TINY[family(script)]
-    i = tiny.index("--total-timesteps")
-    argv = [*tiny[:i], *tiny[i + 2 :], "--total-timesteps", "10000000", "--save-model"]
+    argv = tiny(script, "--save-model", total_timesteps=10_000_000)
     # Each rank's exit status goes to a file: torchrun reports none once it got a signal itself.
     wrapper = f'{shlex.quote(sys.executable)} -c "$LEANRL_TEST_SOURCE" "$@"; echo $? > "status$RANK"'
     err_path = workdir / "stderr.txt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
     with open(err_path, "w") as err_file:
         proc = subprocess.Popen(
             [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "--no-python", "bash", "-c", wrapper, "bash"]
@@ -266,7 +259,7 @@ def test_ctrl_c_to_the_torchrun_group_saves_and_exits_130(workdir):
             stderr=err_file,
             text=True,
             start_new_session=True,  # its own process group, as a terminal's foreground job
-            env={**env, "LEANRL_TEST_SOURCE": script_command(script, before=FORWARDED)[2]},
+            env=script_env(LEANRL_TEST_SOURCE=script_command(script, before=FORWARDED)[2]),
         )
         deadline = time.monotonic() + 300
         while "sps=" not in err_path.read_text() and time.monotonic() < deadline and proc.poll() is None:

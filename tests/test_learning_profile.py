@@ -31,6 +31,23 @@ def test_plan_runs_plain_then_lean_compile_for_each_seed(learning):
     assert [(side, seed) for _, side, seed, _, _ in lean_only] == [("lean", 1), ("lean", 2)]
 
 
+def test_seeds_are_written_and_read_as_ranges(learning):
+    """A table's header says seeds as ranges, its Command line too; --seeds takes them back."""
+    assert learning.seed_ranges([3, 1, 2, 5, 7, 8, 180, 8]) == "1-3, 5, 7-8, 180"
+    assert learning.seed_ranges(range(1, 181)) == "1-180"
+    assert learning.seeds_arg("1-180") == list(range(1, 181)) and learning.seeds_arg("7") == [7]
+    results = [
+        {"pair": p, "side": "plain", "seed": s} for p, n in (("dqn", 15), ("ppo", 15), ("pqn", 180)) for s in range(1, n + 1)
+    ]
+    assert learning.seed_groups(results) == "1-15 (dqn, ppo); 1-180 (pqn)"
+    args = learning.argparse.Namespace(merge=None, quick=True, pairs=["pqn"], steps=None, sides=list(learning.SIDES))
+    out = learning.bench.ROOT / "benchmark" / "learning" / "quick"
+    assert (
+        learning.command(args, [1, 2, 3, 5], out)
+        == "`./run.sh --learning --quick --pairs pqn --seeds 1-3 5 --out benchmark/learning/quick`"
+    )
+
+
 def test_bootstrap_interval_holds_zero_only_when_it_should(learning):
     plain = [100.0, 110.0, 90.0, 105.0, 95.0]
     lo, hi = learning.bootstrap_interval(plain, [x + 1.0 for x in plain])
@@ -97,7 +114,8 @@ def test_merge_makes_one_table_from_parts_and_takes_a_redone_run_from_the_last(l
     assert table.startswith("Machine: CPU 0, 2 cores and CPU 1, 2 cores; torch ")  # where the parts ran, each once
     assert learning.main(["--merge", *parts, "--out", str(out)]) == 0
     table = (out / "table.md").read_text()
-    assert "20.0 ± 10.0 (n=3)" in table and "21.0 ± 10.0 (n=3)" in table and "seeds [1, 2, 3]" in table
+    assert "20.0 ± 10.0 (n=3)" in table and "21.0 ± 10.0 (n=3)" in table and "Seeds: 1-3 (every pair run)." in table
+    assert "--merge DIR... --out" not in table and "part0" not in table  # the parts lie outside the repository
     assert "(profile `quick`" in table  # 1,000 steps is nearer TD3's quick budget than its full one
     assert len((out / "results.jsonl").read_text().splitlines()) == 6
     assert (out / "learning.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

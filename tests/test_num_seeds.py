@@ -11,10 +11,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, assert_one_line_error, family, load_script, main_in_process, run_script, scripts
+from conftest import (
+    TINY,
+    assert_bad_input,
+    assert_one_line_error,
+    family,
+    load_script,
+    main_in_process,
+    run_script,
+    scripts,
+    stack_of_one,
+    start_long_run,
+    stop_and_read,
+    unstacked,
+    wait_for,
+)
 from tensordict import from_module
 from test_dqn import LEARNING, LEARNING_THRESHOLD
-from test_faults import start_long_run, stop_and_read, wait_for
 from test_ppo_continuous_action import LEARNING_THRESHOLD as PPO_THRESHOLD
 
 import leanrl_utils
@@ -240,9 +253,7 @@ def ppo_case(ppo, seed=0):
             torch.randn(P_BATCH, P_OBS),
             torch.randn(P_BATCH, P_ACT),
             torch.randn(P_BATCH) - 3.0,
-            torch.randn(P_BATCH),
-            torch.randn(P_BATCH),
-            torch.randn(P_BATCH),
+            *(torch.randn(P_BATCH) for _ in range(3)),
         )
         for _ in range(N)
     ]
@@ -276,40 +287,16 @@ def test_ppo_stacked_policy_acts_with_each_seeds_agent(ppo, host):
 def test_ppo_seed_checkpoint_loads_into_the_single_seed_script(workdir):
     """Seed 6's checkpoint (its agent and its own envs' observation statistics), evaluated by the
     single-seed script as seed 6, gives the return the two-seed run reported for it."""
-    summary, _ = run_script(
-        PPO_PATH,
-        *TINY["ppo_continuous_action"],
-        "--num-envs",
-        2,
-        "--num-seeds",
-        2,
-        "--seed",
-        5,
-        "--save-model",
-        "--eval-episodes",
-        2,
-        cwd=workdir,
-    )
+    argv = "--num-envs 2 --num-seeds 2 --seed 5 --save-model --eval-episodes 2".split()
+    summary, _ = run_script(PPO_PATH, *TINY["ppo_continuous_action"], *argv, cwd=workdir)
     checkpoints = [next(d.glob("*.pt")) for d in seed_dirs(workdir)]
     saved = [torch.load(c, weights_only=True) for c in checkpoints]
     assert saved[1]["args"]["seed"] == 6 and set(saved[1]["model"]) == {"agent", "obs_rms"}
     assert saved[1]["model"]["obs_rms"]["mean"].shape == (2, 4)
     assert saved[1]["model"]["agent"]["critic.0.weight"].shape == (64, 4)
     assert not torch.equal(saved[0]["model"]["obs_rms"]["mean"], saved[1]["model"]["obs_rms"]["mean"])
-    loaded, _ = run_script(
-        PPO_PATH,
-        "--env-id",
-        "InvertedPendulum-v5",
-        "--load-model",
-        checkpoints[1],
-        "--total-timesteps",
-        0,
-        "--eval-episodes",
-        2,
-        "--seed",
-        6,
-        cwd=workdir,
-    )
+    argv = "--env-id InvertedPendulum-v5 --total-timesteps 0 --eval-episodes 2 --seed 6".split()
+    loaded, _ = run_script(PPO_PATH, *argv, "--load-model", checkpoints[1], cwd=workdir)
     assert loaded["eval_return"] == summary["eval_returns"][1]
 
 
@@ -334,9 +321,7 @@ def atari_case(atari, seed=0):
             torch.randint(0, 256, (A_BATCH, 4, 84, 84), dtype=torch.uint8),
             torch.randint(0, A_ACT, (A_BATCH,)),
             -torch.rand(A_BATCH) - 1.0,
-            torch.randn(A_BATCH),
-            torch.randn(A_BATCH),
-            torch.randn(A_BATCH),
+            *(torch.randn(A_BATCH) for _ in range(3)),
             (torch.rand(A_BATCH) > 0.125).float(),
         )
         for _ in range(A_N)
@@ -456,17 +441,8 @@ def test_ppo_atari_a_diverged_seed_stops_the_run_and_saves_no_non_finite_weights
     """A learning rate of 1e30 blows both seeds up in the first iteration: exit 1 after the
     summary, one error line naming the seed and the step, and no checkpoint (the weights were
     finite at no log point)."""
-    summary, proc = run_script(
-        ATARI_PATH,
-        *TINY["ppo_atari_envpool"],
-        "--num-seeds",
-        2,
-        "--learning-rate",
-        1e30,
-        "--save-model",
-        cwd=workdir,
-        check=False,
-    )
+    argv = "--num-seeds 2 --learning-rate 1e30 --save-model".split()
+    summary, proc = run_script(ATARI_PATH, *TINY["ppo_atari_envpool"], *argv, cwd=workdir, check=False)
     assert proc.returncode == 1 and summary["num_seeds"] == 2 and summary["checkpoint"] is None
     assert_one_line_error(proc, "non-finite", "at step 32 (seed 1)")
     assert [list(d.glob("*.pt")) for d in seed_dirs(workdir)] == [[], []]
@@ -530,8 +506,8 @@ def ppo_updates(request, script, compiled=False, change=None):
     )
     singles = []
     for agent in copy.deepcopy(agents):
-        optimizer = module.optimizers.Adam(agent.named_parameters(), torch.tensor(lr), eps=1e-5, fused=not compiled)
-        singles.append((agent, compile_(module.make_update(agent, optimizer, args))))
+        optimizer = module.optimizers.Adam(stack_of_one(agent), torch.tensor(lr), eps=1e-5, fused=not compiled)
+        singles.append((agent, unstacked(compile_(module.make_update(agent, optimizer, args)))))
     batch = tuple(torch.stack(fields) for fields in zip(*rollouts))
     return module, agents, rollouts, idx, (seed_agents, compile_(stacked), batch), singles
 
@@ -848,9 +824,7 @@ BAD = {
 @pytest.mark.parametrize("case", BAD)
 def test_bad_num_seeds_is_one_line(case, workdir):
     path, argv, words = BAD[case]
-    _, proc = run_script(path, *TINY[family(path)], *argv, cwd=workdir, check=False)
-    assert_one_line_error(proc, *words)
-    assert proc.returncode == 2
+    assert_bad_input(path, *TINY[family(path)], *argv, words=words, cwd=workdir)
 
 
 # ---------------------------------------------------------------- learning

@@ -12,38 +12,24 @@ import torch
 import torch.nn as nn
 from conftest import (
     TINY,
-    assert_one_line_error,
+    assert_bad_input,
     assert_ppo_compiled_update_matches_eager,
     assert_ppo_lean_update_is_plain,
+    assert_ppo_same_draws_same_run,
     assert_ppo_stack_of_one_is_the_one_agent,
-    assert_same_run,
     changed_mlp,
-    load_script,
     main_in_process,
+    pair,
     ppo_lean_update,
-    recorded_runs,
     run_script,
-    scripts,
-    short_env,
-    shuffle_as_lean,
+    same_seed_runs,
 )
 
 import leanrl_utils
 
-PLAIN_PATH = scripts("ppo.py")[0]
-LEAN_PATH = scripts("ppo_torchcompile.py")[0]
-BOTH = [PLAIN_PATH, LEAN_PATH]
+FAMILY = "ppo"
+PLAIN_PATH, LEAN_PATH = BOTH = pair(FAMILY)
 N_OBS, N_ACT, BATCH, MINIBATCH = 4, 3, 256, 64
-
-
-@pytest.fixture(scope="module")
-def plain():
-    return load_script(PLAIN_PATH)
-
-
-@pytest.fixture(scope="module")
-def lean():
-    return load_script(LEAN_PATH)
 
 
 def random_batch(generator):
@@ -87,6 +73,17 @@ def changed_agent(lean, activation=nn.ReLU):
             self.critic, self.actor = (changed_mlp(n_obs, n_out, activation, device) for n_out in (1, n_act))
 
     return ChangedAgent
+
+
+def edited_forward(lean, op=torch.tanh):
+    """A researcher's edit of Agent.forward: another activation (`op`) on the logits, scaled."""
+
+    class EditedAgent(lean.Agent):
+        def forward(self, obs):
+            logits, value = super().forward(obs)
+            return op(logits) * 3.0, value
+
+    return EditedAgent
 
 
 @pytest.mark.parametrize("changed", [False, True], ids=["agent", "changed-agent"])
@@ -161,17 +158,19 @@ def test_policy_samples_the_softmax_and_sees_every_update(lean, host):
     torch.testing.assert_close(counts, probs, rtol=0, atol=0.02)
 
 
+@pytest.mark.parametrize("edit", ["layers", "forward"])
 @pytest.mark.parametrize("num_seeds", [1, 3], ids=["1seed", "3seeds"])
 @pytest.mark.parametrize("host", [True, False], ids=["numpy", "torch"])
-def test_changed_network_is_followed_by_every_derived_form(lean, host, num_seeds):
+def test_changed_network_is_followed_by_every_derived_form(lean, host, num_seeds, edit):
     """The networks written once: with Agent's actor and critic changed (widths, ReLU, an extra
-    layer), the numpy policy (a CPU) and the torch one (seeds_forward), for one seed and stacked
+    layer) or its forward edited (tanh on the logits), the numpy policy (a CPU) and the torch one
+    (seeds.forward), for one seed and stacked
     seeds, give each seed's values of the changed critic, the inverse-CDF actions of the changed
     actor's softmax on the policy's own uniforms (replayed) and their log-probabilities, also after
     an in-place step of the stacked parameters. One seed in torch runs the module's own ops: bit
     for bit; numpy and vmapped seeds within float32 rounding (rtol and atol 1e-5)."""
     torch.manual_seed(0)
-    agents = [changed_agent(lean)(6, 4) for _ in range(num_seeds)]
+    agents = [(changed_agent if edit == "layers" else edited_forward)(lean)(6, 4) for _ in range(num_seeds)]
     params = leanrl_utils.seeds.stack(agents)
     policy = lean.make_policy(agents[0], dict(params.items()), num_seeds, host, seed=5)
     rng, obs = np.random.default_rng(5), torch.randn(num_seeds * 64, 6)
@@ -189,6 +188,17 @@ def test_changed_network_is_followed_by_every_derived_form(lean, host, num_seeds
         with torch.no_grad():
             for p in params.values():
                 p.mul_(1.1).add_(0.01)
+
+
+def test_forward_op_without_a_numpy_form_is_one_line(lean, capsys):
+    """An edited forward calling what numpy acting has no form for (gelu) is refused in one line
+    naming it, never acted on around it."""
+    agent = edited_forward(lean, torch.nn.functional.gelu)(4, 2)
+    with pytest.raises(SystemExit) as exit_info:
+        lean.make_policy(agent, dict(leanrl_utils.seeds.stack([agent]).items()), 1, host=True)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("error:") and err.count("\n") == 1, err
+    assert "gelu" in err and "EditedAgent.forward" in err, err
 
 
 def test_layer_without_a_numpy_form_is_one_line(lean, monkeypatch, tmp_path, capsys):
@@ -242,36 +252,15 @@ def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path)
     minibatch updates. So the scripts differ only in how they draw (inverse CDF on numpy's uniforms
     against torch.multinomial, torch.randperm against np.random.shuffle: the same distributions)
     and in float rounding (metrics rel 1e-5, weights rtol 1e-4, atol 1e-6)."""
-    monkeypatch.chdir(tmp_path)
-    args = dict(
-        env_id=short_env("CartPole-v1", 20),
-        num_envs=2,
-        num_steps=64,
-        total_timesteps=512,
-        num_minibatches=2,
-        update_epochs=2,
-    )
     rng = np.random.default_rng(1)  # what the lean policy seeds with --seed 1
     monkeypatch.setattr(plain, "Categorical", categorical_drawing_from(rng))
-    monkeypatch.setattr(plain.np.random, "shuffle", shuffle_as_lean)
-    get_value = plain.Agent.get_value
-
-    def get_value_drawing(self, x):
-        # The lean script bootstraps through its policy, which draws (unused) uniforms.
-        rng.random((len(x), 1), dtype=np.float32)
-        return get_value(self, x)
-
-    monkeypatch.setattr(plain.Agent, "get_value", get_value_drawing)
-    plain_run, lean_run = recorded_runs([plain, lean], args, monkeypatch)
-    assert len(lean_run[0]) == 4
-    assert_same_run(plain_run, lean_run, [*lean.METRICS, "charts/learning_rate", "losses/explained_variance"])
+    uniforms = lambda agent, obs: rng.random((len(obs), 1), dtype=np.float32)
+    assert_ppo_same_draws_same_run(plain, lean, "CartPole-v1", uniforms, monkeypatch, tmp_path)
 
 
 @pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
 def test_same_seed_same_run(path, workdir):
-    timing = {"wall_s", "sps", "warmup_s", "peak_rss_mb", "run_dir"}
-    runs = [run_script(path, *TINY["ppo"], cwd=workdir)[0] for _ in range(2)]
-    first, second = ({k: v for k, v in run.items() if k not in timing} for run in runs)
+    (first, second), _ = same_seed_runs(path, workdir)
     assert first == second and first["updates"] == 16 and first["episodic_return"] is not None
 
 
@@ -300,6 +289,4 @@ def test_learns_cartpole(path, workdir):
     ids=["box-env", "minibatches", "below-one-batch", "minibatch-of-one"],
 )
 def test_bad_input_is_one_clear_line(path, bad_args, words, workdir):
-    _, proc = run_script(path, *TINY["ppo"], *bad_args, cwd=workdir, check=False)
-    assert_one_line_error(proc, *words)
-    assert proc.returncode == 2
+    assert_bad_input(path, *TINY["ppo"], *bad_args, words=words, cwd=workdir)

@@ -16,47 +16,32 @@ import torch
 import torch.nn as nn
 from conftest import (
     TINY,
+    assert_bad_input,
     assert_one_line_error,
     assert_same_run,
+    atari_batch,
     load_script,
     main_in_process,
+    pair,
     recorded_runs,
     run_script,
     run_without,
-    scripts,
     shuffle_as_lean,
+    stack_of_one,
+    unstacked,
 )
 
 import leanrl_utils
 
-PLAIN_PATH, LEAN_PATH = scripts("ppo_atari_envpool.py")[0], scripts("ppo_atari_envpool_torchcompile.py")[0]
-PAIR = [PLAIN_PATH, LEAN_PATH]
+FAMILY = "ppo_atari_envpool"
+PLAIN_PATH, LEAN_PATH = PAIR = pair(FAMILY)
 TINY_ARGS = dict(env_id="Breakout-v5", num_envs=2, num_steps=16, total_timesteps=64, num_minibatches=2, update_epochs=2)
 
 
-@pytest.fixture(scope="module")
-def plain():
-    return load_script(PLAIN_PATH)
-
-
-@pytest.fixture(scope="module")
-def lean():
-    return load_script(LEAN_PATH)
-
-
-def make_batch(n, n_act=4, seed=0):
-    """A flat rollout batch as the lean script feeds its update; about 1 step in 8 is a reset
-    step (valid 0)."""
-    g = torch.Generator().manual_seed(seed)
-    return (
-        torch.randint(0, 256, (n, 4, 84, 84), dtype=torch.uint8, generator=g),
-        torch.randint(0, n_act, (n,), generator=g),
-        -torch.rand(n, generator=g) - 1.0,
-        torch.randn(n, generator=g),
-        torch.randn(n, generator=g),
-        torch.randn(n, generator=g),
-        (torch.rand(n, generator=g) > 0.125).float(),
-    )
+def make_batch(n, seed=0):
+    """A rollout batch (`atari_batch`): old log-probabilities, advantages, returns and values."""
+    logprobs, normal = (lambda n, g: -torch.rand(n, generator=g) - 1.0), (lambda n, g: torch.randn(n, generator=g))
+    return atari_batch(n, seed, logprobs, normal, normal, normal)
 
 
 def agent_and_update(lean, args, source=None, compiled=False):
@@ -66,8 +51,8 @@ def agent_and_update(lean, args, source=None, compiled=False):
     if source is not None:
         agent.load_state_dict(source.state_dict())
     lr = torch.tensor(args.learning_rate)
-    optimizer = leanrl_utils.optimizers.Adam(agent.named_parameters(), lr, eps=1e-5, fused=not compiled)
-    return agent, lr, lean.make_update(agent, optimizer, args)
+    optimizer = leanrl_utils.optimizers.Adam(stack_of_one(agent), lr, eps=1e-5, fused=not compiled)
+    return agent, lr, unstacked(lean.make_update(agent, optimizer, args))
 
 
 def assert_same_parameters(agent_a, agent_b, **tolerance):
@@ -526,17 +511,14 @@ def test_target_kl_stops_both_scripts_at_the_same_epoch(plain, lean, monkeypatch
 @pytest.mark.parametrize("script", PAIR, ids=lambda s: s.stem)
 def test_missing_envpool_is_one_line_naming_the_extra(script, workdir):
     proc = run_without("envpool", script, *TINY["ppo_atari_envpool"], cwd=workdir)
-    assert_one_line_error(proc, "envpool", "pip install 'leanrl[atari]'")
-    assert proc.returncode == 2
+    assert_one_line_error(proc, "envpool", "pip install 'leanrl[atari]'", code=2)
 
 
 @pytest.mark.parametrize("env_id", ["Breakoutt-v5", "ALE/Breakout-v5", "CartPole-v1"])
 @pytest.mark.parametrize("script", PAIR, ids=lambda s: s.stem)
 def test_unknown_atari_id_is_one_line(script, env_id, workdir):
     """A typo, gymnasium's ALE spelling, and an envpool id that is no Atari game."""
-    _, proc = run_script(script, *TINY["ppo_atari_envpool"], "--env-id", env_id, cwd=workdir, check=False)
-    assert_one_line_error(proc, env_id, "Breakout-v5")
-    assert proc.returncode == 2
+    assert_bad_input(script, *TINY["ppo_atari_envpool"], "--env-id", env_id, words=[env_id, "Breakout-v5"], cwd=workdir)
 
 
 PPO_RULES = {
@@ -551,9 +533,7 @@ PPO_RULES = {
 def test_ppo_rules_are_one_line(script, case, workdir):
     """The batch rules (TINY's batch is 2 envs x 16 steps = 32), checked before any work."""
     flags, words = PPO_RULES[case]
-    _, proc = run_script(script, *TINY["ppo_atari_envpool"], *flags, cwd=workdir, check=False)
-    assert_one_line_error(proc, *words)
-    assert proc.returncode == 2
+    assert_bad_input(script, *TINY["ppo_atari_envpool"], *flags, words=words, cwd=workdir)
     assert not Path(workdir, "runs").exists()
 
 

@@ -15,39 +15,27 @@ import torch
 import torch.nn as nn
 from conftest import (
     TINY,
-    assert_one_line_error,
+    assert_bad_input,
     assert_ppo_compiled_update_matches_eager,
     assert_ppo_lean_update_is_plain,
+    assert_ppo_same_draws_same_run,
     assert_ppo_stack_of_one_is_the_one_agent,
-    assert_same_run,
     changed_mlp,
     is_lean,
     load_script,
     main_in_process,
-    recorded_runs,
+    pair,
     run_script,
+    same_seed_runs,
     scripts,
-    short_env,
-    shuffle_as_lean,
 )
 from torch.func import functional_call
 
 import leanrl_utils
 
-PLAIN_PATH = scripts("ppo_continuous_action.py")[0]
-LEAN_PATH = scripts("ppo_continuous_action_torchcompile.py")[0]
-BOTH = [PLAIN_PATH, LEAN_PATH]
+FAMILY = "ppo_continuous_action"
+PLAIN_PATH, LEAN_PATH = BOTH = pair(FAMILY)
 N_OBS, N_ACT, BATCH, MINIBATCH = 11, 3, 256, 64
-
-
-@pytest.fixture(scope="module")
-def plain():
-    return load_script(PLAIN_PATH)
-
-
-@pytest.fixture(scope="module")
-def lean():
-    return load_script(LEAN_PATH)
 
 
 def random_batch(generator):
@@ -450,9 +438,7 @@ def test_target_kl_stops_after_the_epoch_whose_last_minibatch_exceeds_it(path, m
 
 @pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
 def test_same_seed_same_run(path, workdir):
-    timing = {"wall_s", "sps", "warmup_s", "peak_rss_mb", "run_dir"}
-    runs = [run_script(path, *TINY["ppo_continuous_action"], cwd=workdir)[0] for _ in range(2)]
-    first, second = ({k: v for k, v in run.items() if k not in timing} for run in runs)
+    (first, second), runs = same_seed_runs(path, workdir)
     assert first == second and first["updates"] == 16
     # The learning curve too, but for its wall-clock column.
     curves = [
@@ -509,29 +495,10 @@ def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path)
     Adam steps, for 4 iterations of 4 minibatch updates. So the scripts differ only in how they
     draw (the action noise from numpy's generator against torch's, torch.randperm against
     np.random.shuffle: the same distributions) and in float rounding."""
-    monkeypatch.chdir(tmp_path)
-    args = dict(
-        env_id=short_env("InvertedPendulum-v5", 20),
-        num_envs=2,
-        num_steps=64,
-        total_timesteps=512,
-        num_minibatches=2,
-        update_epochs=2,
-    )
     rng = np.random.default_rng(1)  # what the lean policy seeds with --seed 1
     monkeypatch.setattr(plain, "Normal", normal_drawing_from(rng))
-    monkeypatch.setattr(plain.np.random, "shuffle", shuffle_as_lean)
-    get_value = plain.Agent.get_value
-
-    def get_value_drawing(self, x):
-        # The lean script bootstraps through its policy, which draws (unused) action noise.
-        rng.standard_normal((len(x), self.actor_logstd.shape[1]), dtype=np.float32)
-        return get_value(self, x)
-
-    monkeypatch.setattr(plain.Agent, "get_value", get_value_drawing)
-    plain_run, lean_run = recorded_runs([plain, lean], args, monkeypatch)
-    assert len(lean_run[0]) == 4
-    assert_same_run(plain_run, lean_run, [*lean.METRICS, "charts/learning_rate", "losses/explained_variance"])
+    noise = lambda agent, obs: rng.standard_normal((len(obs), agent.actor_logstd.shape[1]), dtype=np.float32)
+    assert_ppo_same_draws_same_run(plain, lean, "InvertedPendulum-v5", noise, monkeypatch, tmp_path)
 
 
 # Budget: 40 iterations of 1024 steps (40,960 env steps), about a minute per script on this
@@ -574,6 +541,4 @@ def test_learns_inverted_pendulum(path, workdir):
     ids=["unknown-env", "discrete-env", "minibatches", "below-one-batch", "minibatch-of-one"],
 )
 def test_bad_input_is_one_clear_line(path, bad_args, words, workdir):
-    _, proc = run_script(path, *TINY["ppo_continuous_action"], *bad_args, cwd=workdir, check=False)
-    assert_one_line_error(proc, *words)
-    assert proc.returncode == 2
+    assert_bad_input(path, *TINY["ppo_continuous_action"], *bad_args, words=words, cwd=workdir)

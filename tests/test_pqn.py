@@ -18,7 +18,9 @@ from conftest import (
     family,
     load_script,
     main_in_process,
+    pair,
     recorded_runs,
+    refused_in_process,
     run_script,
     scripts,
     short_env,
@@ -27,18 +29,8 @@ from conftest import (
 
 import leanrl_utils
 
-PLAIN_PATH, LEAN_PATH = scripts("pqn.py")[0], scripts("pqn_torchcompile.py")[0]
-BOTH = [PLAIN_PATH, LEAN_PATH]
-
-
-@pytest.fixture(scope="module")
-def plain():
-    return load_script(PLAIN_PATH)
-
-
-@pytest.fixture(scope="module")
-def lean():
-    return load_script(LEAN_PATH)
+FAMILY = "pqn"
+PLAIN_PATH, LEAN_PATH = BOTH = pair(FAMILY)
 
 
 # ---------------------------------------------------------------- Q(lambda) returns
@@ -404,7 +396,6 @@ def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path)
 # ---------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
 @pytest.mark.parametrize(
     "argv,words",
     [
@@ -415,14 +406,8 @@ def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path)
     ],
     ids=["continuous", "minibatches", "budget", "lambda"],
 )
-def test_bad_input_is_one_line(path, argv, words, plain, lean, monkeypatch, tmp_path, capsys):
-    module = plain if path == PLAIN_PATH else lean
-    assert main_in_process(module, *argv, tmp_path=tmp_path, monkeypatch=monkeypatch) == 2
-    out, err = capsys.readouterr()
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "Traceback" not in err and out.strip() == "", err
-    for word in words:
-        assert word.lower() in errors[0].lower(), errors[0]
+def test_bad_input_is_one_line(either, argv, words, monkeypatch, tmp_path, capsys):
+    refused_in_process(either, *argv, words=words, tmp_path=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
 
 
 def test_a_checkpoint_moves_across_the_pair(workdir):

@@ -12,22 +12,19 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from conftest import TorchDrawingAsLean, assert_same_run, load_script, main_in_process, recorded_runs, scripts, shuffle_as_lean
+from conftest import (
+    TorchDrawingAsLean,
+    assert_same_run,
+    atari_batch,
+    main_in_process,
+    recorded_runs,
+    refused_in_process,
+    shuffle_as_lean,
+)
 
 import leanrl_utils
 
-PLAIN_PATH, LEAN_PATH = scripts("pqn_atari_envpool.py")[0], scripts("pqn_atari_envpool_torchcompile.py")[0]
-BOTH = [PLAIN_PATH, LEAN_PATH]
-
-
-@pytest.fixture(scope="module")
-def plain():
-    return load_script(PLAIN_PATH)
-
-
-@pytest.fixture(scope="module")
-def lean():
-    return load_script(LEAN_PATH)
+FAMILY = "pqn_atari_envpool"
 
 
 # ---------------------------------------------------------------- Q(lambda) returns
@@ -88,16 +85,9 @@ def test_epsilon_schedule_end_points_in_both_scripts(plain, lean):
 # ---------------------------------------------------------------- update numerics
 
 
-def make_batch(n, n_act=4, seed=0):
-    """A flat rollout batch as the lean script feeds its update; about 1 step in 8 is a reset
-    step (valid 0)."""
-    g = torch.Generator().manual_seed(seed)
-    return (
-        torch.randint(0, 256, (n, 4, 84, 84), dtype=torch.uint8, generator=g),
-        torch.randint(0, n_act, (n,), generator=g),
-        3 * torch.rand(n, generator=g),
-        (torch.rand(n, generator=g) > 0.125).float(),
-    )
+def make_batch(n, seed=0):
+    """A rollout batch (`atari_batch`) with Q(lambda) returns."""
+    return atari_batch(n, seed, lambda n, g: 3 * torch.rand(n, generator=g))
 
 
 def test_lean_network_is_the_plain_network(plain, lean):
@@ -312,7 +302,6 @@ def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path)
 # ---------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
 @pytest.mark.parametrize(
     "argv,words",
     [
@@ -323,11 +312,5 @@ def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path)
     ],
     ids=["not-atari", "minibatches", "budget", "lambda"],
 )
-def test_bad_input_is_one_line(path, argv, words, plain, lean, monkeypatch, tmp_path, capsys):
-    module = plain if path == PLAIN_PATH else lean
-    assert main_in_process(module, *argv, tmp_path=tmp_path, monkeypatch=monkeypatch) == 2
-    out, err = capsys.readouterr()
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "Traceback" not in err and out.strip() == "", err
-    for word in words:
-        assert word.lower() in errors[0].lower(), errors[0]
+def test_bad_input_is_one_line(either, argv, words, monkeypatch, tmp_path, capsys):
+    refused_in_process(either, *argv, words=words, tmp_path=tmp_path, monkeypatch=monkeypatch, capsys=capsys)

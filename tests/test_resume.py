@@ -5,13 +5,11 @@ no point twice or missing. Bad resumes end in one line and exit 2."""
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import SCRIPTS, TINY, assert_one_line_error, family, run_script, script_command, scripts
+from conftest import SCRIPTS, TINY, assert_one_line_error, family, run_script, scripts, start_script
 
 # Sends `signum` to the script's own process at its `at`-th env step (of one env), mid-iteration.
 SIGNAL_AT_STEP = """
@@ -84,18 +82,6 @@ STOP_AT = {
 RESUMABLE = [s for s in scripts("*.py") if family(s) in STOP_AT]
 
 
-def start(script, workdir, *argv, before=None):
-    command = script_command(script, before=before) if before else [sys.executable, str(script)]
-    return subprocess.Popen(
-        [*command, *map(str, argv)],
-        cwd=workdir,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
 def scalars(run_dir):
     """Every scalar in the run's TensorBoard events, (tag, step, value) in the order written, but
     steps/s (a timing)."""
@@ -143,7 +129,7 @@ def test_stopped_and_resumed_run_is_the_run_unbroken(script, tmp_path):
     unbroken, _ = run_script(script, *tiny, cwd=whole)
 
     before = SIGNAL_AT_STEP.format(at=STOP_AT[family(script)], signum=int(signal.SIGTERM))
-    proc = start(script, parts, *tiny, before=before)
+    proc = start_script(script, parts, *tiny, before=before)
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 143, stderr
     run_dir = parts / "runs" / os.listdir(parts / "runs")[0]
@@ -170,7 +156,7 @@ def test_killed_run_resumes_from_its_periodic_checkpoint(script, tmp_path):
     argv = [*TINY[family(script)], "--checkpoint-every", "0.05"]
     i = argv.index("--total-timesteps")
     argv[i + 1] = str(int(argv[i + 1]) * (50 if family(script) == "pqn" else 10))  # lean PQN runs 5120 steps in a second
-    proc = start(script, tmp_path, *argv, before=KILL_AFTER_CHECKPOINT.format(at=int(argv[i + 1]) // 2))
+    proc = start_script(script, tmp_path, *argv, before=KILL_AFTER_CHECKPOINT.format(at=int(argv[i + 1]) // 2))
     proc.communicate(timeout=300)
     assert proc.returncode == -signal.SIGKILL, "the run ended before it was killed: make it longer"
     run_dir = next((tmp_path / "runs").glob("*/resume.pt")).parent
@@ -186,11 +172,11 @@ def test_atari_run_resumes_with_its_saved_state_and_completes_its_budget(script,
     # PPO and PQN: 4 iterations of 32 steps; DQN: 2 envs, past learning starts (its tiny budget, 400 steps)
     total, at = (400, 120) if family(script) == "dqn_atari_envpool" else (128, 40)
     argv = [*TINY[family(script)], "--total-timesteps", total]
-    proc = start(script, tmp_path, *argv, before=SIGNAL_AT_VECTOR_STEP.format(at=at, signum=int(signal.SIGTERM)))
+    proc = start_script(script, tmp_path, *argv, before=SIGNAL_AT_VECTOR_STEP.format(at=at, signum=int(signal.SIGTERM)))
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 143, stderr
     run_dir = next((tmp_path / "runs").iterdir())
-    proc = start(script, tmp_path, "--resume", run_dir, before=CHECK_RESUMED)
+    proc = start_script(script, tmp_path, "--resume", run_dir, before=CHECK_RESUMED)
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr
     assert "resume-check: objects ok" in stderr and "resume-check: iteration ok" in stderr
@@ -205,7 +191,7 @@ def test_every_seed_of_num_seeds_resumes(tmp_path):
     (parts := tmp_path / "parts").mkdir()
     argv = [*TINY["dqn"], "--num-seeds", 2, "--save-model"]
     run_script(script, *argv, cwd=whole)
-    proc = start(script, parts, *argv, before=SIGNAL_AT_STEP.format(at=2 * 250, signum=int(signal.SIGTERM)))
+    proc = start_script(script, parts, *argv, before=SIGNAL_AT_STEP.format(at=2 * 250, signum=int(signal.SIGTERM)))
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 143, stderr
     lead = next(d for d in (parts / "runs").iterdir() if (d / "resume.pt").exists())
@@ -222,19 +208,18 @@ def test_every_seed_of_num_seeds_resumes(tmp_path):
 def test_resume_with_another_num_seeds_is_one_line(tmp_path):
     script = SCRIPTS / "dqn_torchcompile.py"
     argv = [*TINY["dqn"], "--num-seeds", 2]
-    proc = start(script, tmp_path, *argv, before=SIGNAL_AT_STEP.format(at=2 * 250, signum=int(signal.SIGTERM)))
+    proc = start_script(script, tmp_path, *argv, before=SIGNAL_AT_STEP.format(at=2 * 250, signum=int(signal.SIGTERM)))
     proc.communicate(timeout=300)
     lead = next(d for d in (tmp_path / "runs").iterdir() if (d / "resume.pt").exists())
     _, proc = run_script(script, "--resume", lead, "--num-seeds", 3, cwd=tmp_path, check=False)
-    assert_one_line_error(proc, "--num-seeds", "contradicts")
-    assert proc.returncode == 2
+    assert_one_line_error(proc, "--num-seeds", "contradicts", code=2)
 
 
 @pytest.fixture
 def stopped_run(tmp_path):
     """A plain DQN run stopped by SIGTERM partway: (script, its run folder)."""
     script = next(s for s in RESUMABLE if s.stem == "dqn")
-    proc = start(script, tmp_path, *TINY["dqn"], before=SIGNAL_AT_STEP.format(at=250, signum=int(signal.SIGTERM)))
+    proc = start_script(script, tmp_path, *TINY["dqn"], before=SIGNAL_AT_STEP.format(at=250, signum=int(signal.SIGTERM)))
     proc.communicate(timeout=300)
     return script, next((tmp_path / "runs").iterdir())
 
@@ -242,32 +227,28 @@ def stopped_run(tmp_path):
 def test_resume_of_a_missing_folder_is_one_line(stopped_run, tmp_path):
     script, run_dir = stopped_run
     _, proc = run_script(script, "--resume", tmp_path / "nowhere", cwd=tmp_path, check=False)
-    assert_one_line_error(proc, "no checkpoint")
-    assert proc.returncode == 2
+    assert_one_line_error(proc, "no checkpoint", code=2)
 
 
 def test_resume_of_a_corrupt_checkpoint_is_one_line(stopped_run, tmp_path):
     script, run_dir = stopped_run
     (run_dir / "resume.pt").write_bytes((run_dir / "resume.pt").read_bytes()[:1000])
     _, proc = run_script(script, "--resume", run_dir, cwd=tmp_path, check=False)
-    assert_one_line_error(proc, "corrupt")
-    assert proc.returncode == 2
+    assert_one_line_error(proc, "corrupt", code=2)
 
 
 def test_resume_with_another_script_is_one_line(stopped_run, tmp_path):
     script, run_dir = stopped_run
     other = script.with_name("dqn_torchcompile.py")
     _, proc = run_script(other, "--resume", run_dir, cwd=tmp_path, check=False)
-    assert_one_line_error(proc, "dqn.py")
-    assert proc.returncode == 2
+    assert_one_line_error(proc, "dqn.py", code=2)
 
 
 @pytest.mark.parametrize("flags", [("--env-id", "Acrobot-v1"), ("--buffer-size", "600")], ids=["env", "size"])
 def test_resume_with_contradicting_flags_is_one_line(stopped_run, tmp_path, flags):
     script, run_dir = stopped_run
     _, proc = run_script(script, "--resume", run_dir, *flags, cwd=tmp_path, check=False)
-    assert_one_line_error(proc, flags[0], "contradicts")
-    assert proc.returncode == 2
+    assert_one_line_error(proc, flags[0], "contradicts", code=2)
 
 
 def test_resume_of_a_finished_run_is_one_line_and_a_larger_budget_extends_it(stopped_run, tmp_path):
@@ -275,8 +256,7 @@ def test_resume_of_a_finished_run_is_one_line_and_a_larger_budget_extends_it(sto
     done, _ = run_script(script, "--resume", run_dir, "--checkpoint-every", "1000", cwd=tmp_path)
     assert done["total_steps"] == 400
     _, proc = run_script(script, "--resume", run_dir, cwd=tmp_path, check=False)
-    assert_one_line_error(proc, "already finished")
-    assert proc.returncode == 2
+    assert_one_line_error(proc, "already finished", code=2)
     extended, _ = run_script(script, "--resume", run_dir, "--total-timesteps", 500, cwd=tmp_path)
     assert extended["total_steps"] == 500
 
@@ -290,7 +270,7 @@ def test_compiled_run_resumes_within_rounding(script, tmp_path):
     argv = [*TINY[family(script)], "--compile", "--save-model"]
     unbroken, _ = run_script(script, *argv, cwd=whole)
     before = SIGNAL_AT_STEP.format(at=STOP_AT[family(script)], signum=int(signal.SIGTERM))
-    proc = start(script, parts, *argv, before=before)
+    proc = start_script(script, parts, *argv, before=before)
     _, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 143, stderr
     run_dir = next((parts / "runs").iterdir())

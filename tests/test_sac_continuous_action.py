@@ -12,32 +12,21 @@ import torch.nn.functional as F
 from conftest import (
     TINY,
     NumpyDrawingAsLean,
-    assert_one_line_error,
+    assert_bad_input,
     assert_same_run,
     build_plain_targets_too,
     load_script,
+    pair,
     recorded_runs,
     run_script,
-    scripts,
     short_env,
 )
 from tensordict import from_module
 
 import leanrl_utils
 
-PAIR = scripts("sac_continuous_action*.py")
-PLAIN_PATH = scripts("sac_continuous_action.py")[0]
-LEAN_PATH = scripts("sac_continuous_action_torchcompile.py")[0]
-
-
-@pytest.fixture(scope="module")
-def plain():
-    return load_script(PLAIN_PATH)
-
-
-@pytest.fixture(scope="module")
-def lean():
-    return load_script(LEAN_PATH)
+FAMILY = "sac_continuous_action"
+PAIR = pair(FAMILY)
 
 
 # ---------------------------------------------------------------- update numerics
@@ -505,11 +494,9 @@ BAD_INPUT = {
 @pytest.mark.parametrize("script", PAIR, ids=lambda s: s.stem)
 def test_bad_input_is_one_line(script, case, workdir):
     argv, words = BAD_INPUT[case]
-    _, proc = run_script(
-        script, "--total-timesteps", "100", "--learning-starts", "50", *argv, cwd=workdir, check=False, timeout=120
+    assert_bad_input(
+        script, "--total-timesteps", "100", "--learning-starts", "50", *argv, words=words, cwd=workdir, timeout=120
     )
-    assert proc.returncode == 2
-    assert_one_line_error(proc, *words)
 
 
 # ---------------------------------------------------------------- learning

@@ -11,39 +11,24 @@ import torch.nn.functional as F
 from conftest import (
     TINY,
     NumpyDrawingAsLean,
-    assert_one_line_error,
+    assert_bad_input,
     assert_same_run,
     build_plain_targets_too,
-    load_script,
+    pair,
     recorded_runs,
     run_script,
-    scripts,
     short_env,
 )
 from tensordict import TensorDict, from_module
 
 import leanrl_utils
 
-PLAIN_PATH, LEAN_PATH = scripts("td3_continuous_action.py")[0], scripts("td3_continuous_action_torchcompile.py")[0]
-BOTH = [PLAIN_PATH, LEAN_PATH]
+FAMILY = "td3_continuous_action"
+PLAIN_PATH, LEAN_PATH = BOTH = pair(FAMILY)
 N_OBS, N_ACT = 11, 3
 LOW, HIGH = np.full(N_ACT, -2, np.float32), np.full(N_ACT, 2, np.float32)
 BOUNDS = (torch.as_tensor(LOW), torch.as_tensor(HIGH))
 KEYS = ("obs", "actions", "rewards", "next_obs", "dones")
-
-
-@pytest.fixture(scope="module")
-def plain():
-    return load_script(PLAIN_PATH)
-
-
-@pytest.fixture(scope="module")
-def lean():
-    return load_script(LEAN_PATH)
-
-
-def module_of(path, plain, lean):
-    return plain if path == PLAIN_PATH else lean
 
 
 class ChangedQNetwork(nn.Module):
@@ -333,15 +318,14 @@ def collect(module, env_id, num_envs, steps, buffer_size):
     return rb, ends
 
 
-@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
-def test_buffer_never_spans_an_episode_boundary(path, plain, lean):
+def test_buffer_never_spans_an_episode_boundary(either):
     """Two Pendulum envs run past their 200-step time limit under SAME_STEP autoreset. Every
     stored transition obeys Pendulum's dynamics from its observation and action, which a
     transition from a final state to the next episode's reset state cannot; at each boundary
     the stored next observation is the final one (not the reset one) and the stored done is 0
     (a truncation bootstraps)."""
     num_envs, steps = 2, 230
-    rb, ends = collect(module_of(path, plain, lean), "Pendulum-v1", num_envs, steps, buffer_size=1000)
+    rb, ends = collect(either, "Pendulum-v1", num_envs, steps, buffer_size=1000)
     assert [(step, i) for step, i, *_ in ends] == [(199, 0), (199, 1)]
     data = {k: v[: steps * num_envs] for k, v in stored(rb).items()}
     obs, actions, next_obs = data["obs"], data["actions"], data["next_obs"]
@@ -355,12 +339,11 @@ def test_buffer_never_spans_an_episode_boundary(path, plain, lean):
         np.testing.assert_allclose(obs[row + num_envs], reset_obs, atol=1e-6)
 
 
-@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
-def test_buffer_keeps_terminations_apart_and_wraps(path, plain, lean):
+def test_buffer_keeps_terminations_apart_and_wraps(either):
     """InvertedPendulum terminates when the pole falls: those rows store done 1 and the final
     observation; every other row stores done 0. The ring buffer (7 rows, 2 envs: the writes
     straddle its end) holds the last 7 transitions in place, and samples only valid rows."""
-    module = module_of(path, plain, lean)
+    module = either
     rb, ends = collect(module, "InvertedPendulum-v5", 2, 40, buffer_size=7)
     terminated = [(step, i, final) for step, i, final, _, term in ends if term]
     assert terminated, "no episode terminated: the test saw no termination"
@@ -451,9 +434,7 @@ def test_same_random_draws_make_the_same_run(plain, lean, network, monkeypatch, 
     ],
 )
 def test_bad_input_is_one_line(path, flags, words, workdir):
-    _, proc = run_script(path, *flags, cwd=workdir, check=False)
-    assert_one_line_error(proc, *words)
-    assert proc.returncode == 2
+    assert_bad_input(path, *flags, words=words, cwd=workdir)
 
 
 # ---------------------------------------------------------------- learning

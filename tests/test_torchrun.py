@@ -1,10 +1,9 @@
-"""Data-parallel lean PPO under torchrun (issue 19): two CPU ranks over gloo end with identical
+"""Data-parallel lean PPO under torchrun: two CPU ranks over gloo end with identical
 parameters, rank 0 alone prints the summary with the world size and the global batch, the
 all-reduced gradient is the gradient of both ranks' minibatches together, a 2-rank run learns
 as a single process does within the same env steps, and bad input is one line."""
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, assert_one_line_error, family, run_script, script_command, scripts
+from conftest import TINY, assert_bad_input, family, run_script, script_command, script_env, scripts
 
 # The lean PPO scripts, which take torchrun (the other lean scripts are off-policy and do not).
 LEAN_PPO = scripts("ppo_*_torchcompile.py")
@@ -32,7 +31,7 @@ def torchrun(script, *args, cwd, nproc=2, timeout=900, env=None, before=""):
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", **(env or {})},
+        env=script_env(**(env or {})),
     )
 
 
@@ -100,18 +99,21 @@ WORKER = textwrap.dedent("""
         batch.append(torch.ones(n))
     args = script.Args(norm_adv=False, max_grad_norm=1e9)
 
+    params = dict(script.seeds.stack([agent]).items())  # a stack of one, as the script holds it
+    batch = [x[None] for x in batch]
+
     class Recorder:
         def __init__(self):
-            self.params = {name: p.detach() for name, p in agent.named_parameters()}
+            self.params = params
         def step(self, grads):
             self.grads = {k: v.clone() for k, v in grads.items()}
 
     mine = torch.arange(rank * 8, rank * 8 + 8)
     shared = Recorder()
-    shared_metrics = script.make_update(agent, shared, args, world_size)(*batch, mine)
+    shared_metrics = script.make_update(agent, shared, args, world_size)(*batch, mine[None])
     if rank == 0:
         together = Recorder()
-        together_metrics = script.make_update(agent, together, args, 1)(*batch, torch.arange(n))
+        together_metrics = script.make_update(agent, together, args, 1)(*batch, torch.arange(n)[None])
         torch.save({"all_reduced": shared.grads, "together": together.grads,
                     "all_reduced_metrics": shared_metrics, "together_metrics": together_metrics}, sys.argv[2])
     dist.destroy_process_group()
@@ -166,9 +168,7 @@ def test_two_ranks_learn_inverted_pendulum(workdir):
     ids=["nccl-on-cpu", "unknown-backend"],
 )
 def test_unavailable_backend_is_one_clear_line(script, bad_args, words, workdir):
-    _, proc = run_script(script, *TINY[family(script)], *bad_args, cwd=workdir, check=False)
-    assert proc.returncode == 2
-    assert_one_line_error(proc, *words)
+    assert_bad_input(script, *TINY[family(script)], *bad_args, words=words, cwd=workdir)
 
 
 @pytest.mark.parametrize("script", LEAN_PPO, ids=lambda p: p.stem)
@@ -178,9 +178,8 @@ def test_a_rank_alone_stops_with_one_line(script, workdir):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    _, proc = run_script(script, *TINY[family(script)], "--dist-timeout", "2", cwd=workdir, env=env, check=False)
-    assert proc.returncode == 2
-    assert_one_line_error(proc, "rank 0", "could not join", "--rdzv-endpoint")
+    words = ["rank 0", "could not join", "--rdzv-endpoint"]
+    assert_bad_input(script, *TINY[family(script)], "--dist-timeout", "2", words=words, cwd=workdir, env=env)
 
 
 def test_below_one_global_batch_under_torchrun(workdir):
