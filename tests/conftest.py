@@ -78,6 +78,21 @@ def start_script(script, cwd, *argv, before=None, **popen):
     return subprocess.Popen([*command, *map(str, argv)], cwd=cwd, env=script_env(), **options)
 
 
+# Sends `signum` to the script's own process at its `at`-th env step (of one env), mid-iteration,
+# `times` times 1 ms apart (a scheduler's or a person's second signal).
+SIGNAL_AT_STEP = """
+import os, time, gymnasium as gym
+_step, _calls = gym.wrappers.RecordEpisodeStatistics.step, [0]
+def step(self, action):
+    _calls[0] += 1
+    for _ in range({times} if _calls[0] == {at} else 0):
+        os.kill(os.getpid(), {signum})
+        time.sleep(0.001)
+    return _step(self, action)
+gym.wrappers.RecordEpisodeStatistics.step = step
+"""
+
+
 def start_long_run(script, workdir, *extra, before=None):
     """The script at its tiny settings but `extra` and no budget of its own, in the background;
     `before`: Python source that its process runs first. A shell without job control starts

@@ -9,24 +9,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SCRIPTS, TINY, assert_one_line_error, family, run_script, scripts, start_script
-
-# Sends `signum` to the script's own process at its `at`-th env step (of one env), mid-iteration.
-SIGNAL_AT_STEP = """
-import os, gymnasium as gym
-_step, _calls = gym.wrappers.RecordEpisodeStatistics.step, [0]
-def step(self, action):
-    _calls[0] += 1
-    if _calls[0] == {at}:
-        os.kill(os.getpid(), {signum})
-    return _step(self, action)
-gym.wrappers.RecordEpisodeStatistics.step = step
-"""
+from conftest import (
+    SCRIPTS,
+    SIGNAL_AT_STEP,
+    TINY,
+    assert_one_line_error,
+    family,
+    run_script,
+    scripts,
+    start_script,
+    wait_for,
+)
 
 # envpool's Atari games count steps in leanrl_utils' vector wrapper: one call per vector step.
 SIGNAL_AT_VECTOR_STEP = SIGNAL_AT_STEP.replace(
     "gym.wrappers.RecordEpisodeStatistics", "leanrl_utils.vector.RecordEpisodeStatistics"
-).replace("import os, gymnasium as gym", "import os, leanrl_utils")
+).replace("import os, time, gymnasium as gym", "import os, time, leanrl_utils")
 
 # SIGKILLs the script's own process at its first env step from `at` on (of one env) where a
 # periodic checkpoint exists: killed partway, whatever the machine's speed.
@@ -58,7 +56,7 @@ def resume(self, objects, loop, device="cpu"):
     out = _resume(self, objects, loop, device)
     for name, obj in self.objects.items():
         if name != "envs":
-            assert same(leanrl_utils.resume.state_of(obj), self.resumed["objects"][name]), name
+            assert same(leanrl_utils.state.state_of(obj), self.resumed["objects"][name]), name
     print("resume-check: objects ok", file=sys.stderr)
     return out
 def checkpoint(self, iteration):
@@ -119,16 +117,22 @@ def final_weights(workdir, summary):
     return torch.load(Path(workdir) / summary["checkpoint"], weights_only=True)["model"]
 
 
-@pytest.mark.parametrize("script", RESUMABLE, ids=lambda s: s.stem)
-def test_stopped_and_resumed_run_is_the_run_unbroken(script, tmp_path):
-    """SIGTERM mid-iteration after learning started, between two log points; --resume with no
-    other flag: weights, every logged value and the curve's steps equal bit for bit (eager, CPU)."""
+TWICE = [s for s in RESUMABLE if s.stem in ("dqn_torchcompile", "ppo_continuous_action_torchcompile")]
+
+
+@pytest.mark.parametrize(
+    "script, times", [(s, 1) for s in RESUMABLE] + [(s, 2) for s in TWICE], ids=lambda v: getattr(v, "stem", f"x{v}")
+)
+def test_stopped_and_resumed_run_is_the_run_unbroken(script, times, tmp_path):
+    """SIGTERM (twice, 1 ms apart: the second changes nothing) mid-iteration after learning started,
+    between two log points; --resume with no other flag: weights, every logged value and the
+    curve's steps equal bit for bit (eager, CPU)."""
     (whole := tmp_path / "whole").mkdir()
     (parts := tmp_path / "parts").mkdir()
     tiny = [*TINY[family(script)], "--save-model"]
     unbroken, _ = run_script(script, *tiny, cwd=whole)
 
-    before = SIGNAL_AT_STEP.format(at=STOP_AT[family(script)], signum=int(signal.SIGTERM))
+    before = SIGNAL_AT_STEP.format(at=STOP_AT[family(script)], signum=int(signal.SIGTERM), times=times)
     proc = start_script(script, parts, *tiny, before=before)
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 143, stderr
@@ -172,7 +176,9 @@ def test_atari_run_resumes_with_its_saved_state_and_completes_its_budget(script,
     # PPO and PQN: 4 iterations of 32 steps; DQN: 2 envs, past learning starts (its tiny budget, 400 steps)
     total, at = (400, 120) if family(script) == "dqn_atari_envpool" else (128, 40)
     argv = [*TINY[family(script)], "--total-timesteps", total]
-    proc = start_script(script, tmp_path, *argv, before=SIGNAL_AT_VECTOR_STEP.format(at=at, signum=int(signal.SIGTERM)))
+    proc = start_script(
+        script, tmp_path, *argv, before=SIGNAL_AT_VECTOR_STEP.format(at=at, signum=int(signal.SIGTERM), times=1)
+    )
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 143, stderr
     run_dir = next((tmp_path / "runs").iterdir())
@@ -191,7 +197,7 @@ def test_every_seed_of_num_seeds_resumes(tmp_path):
     (parts := tmp_path / "parts").mkdir()
     argv = [*TINY["dqn"], "--num-seeds", 2, "--save-model"]
     run_script(script, *argv, cwd=whole)
-    proc = start_script(script, parts, *argv, before=SIGNAL_AT_STEP.format(at=2 * 250, signum=int(signal.SIGTERM)))
+    proc = start_script(script, parts, *argv, before=SIGNAL_AT_STEP.format(at=2 * 250, signum=int(signal.SIGTERM), times=1))
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 143, stderr
     lead = next(d for d in (parts / "runs").iterdir() if (d / "resume.pt").exists())
@@ -208,7 +214,7 @@ def test_every_seed_of_num_seeds_resumes(tmp_path):
 def test_resume_with_another_num_seeds_is_one_line(tmp_path):
     script = SCRIPTS / "dqn_torchcompile.py"
     argv = [*TINY["dqn"], "--num-seeds", 2]
-    proc = start_script(script, tmp_path, *argv, before=SIGNAL_AT_STEP.format(at=2 * 250, signum=int(signal.SIGTERM)))
+    proc = start_script(script, tmp_path, *argv, before=SIGNAL_AT_STEP.format(at=2 * 250, signum=int(signal.SIGTERM), times=1))
     proc.communicate(timeout=300)
     lead = next(d for d in (tmp_path / "runs").iterdir() if (d / "resume.pt").exists())
     _, proc = run_script(script, "--resume", lead, "--num-seeds", 3, cwd=tmp_path, check=False)
@@ -219,7 +225,9 @@ def test_resume_with_another_num_seeds_is_one_line(tmp_path):
 def stopped_run(tmp_path):
     """A plain DQN run stopped by SIGTERM partway: (script, its run folder)."""
     script = next(s for s in RESUMABLE if s.stem == "dqn")
-    proc = start_script(script, tmp_path, *TINY["dqn"], before=SIGNAL_AT_STEP.format(at=250, signum=int(signal.SIGTERM)))
+    proc = start_script(
+        script, tmp_path, *TINY["dqn"], before=SIGNAL_AT_STEP.format(at=250, signum=int(signal.SIGTERM), times=1)
+    )
     proc.communicate(timeout=300)
     return script, next((tmp_path / "runs").iterdir())
 
@@ -251,6 +259,58 @@ def test_resume_with_contradicting_flags_is_one_line(stopped_run, tmp_path, flag
     assert_one_line_error(proc, flags[0], "contradicts", code=2)
 
 
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (("--buffer-size", "10000"), ["--buffer-size 10000", "contradicts"]),  # the script's default, typed
+        (("--total-timesteps", "100"), ["--total-timesteps 100", "below the 250 steps"]),
+        (("--load-model", "model.pt"), ["--load-model", "--resume"]),
+    ],
+    ids=["typed-default", "budget-below-done", "load-model"],
+)
+def test_resume_refuses_what_the_user_typed_against_the_run(stopped_run, tmp_path, flags, words):
+    script, run_dir = stopped_run
+    _, proc = run_script(script, "--resume", run_dir, *flags, cwd=tmp_path, check=False)
+    assert_one_line_error(proc, *words, code=2)
+
+
+def test_resume_says_what_it_changes_and_where_it_goes_on(stopped_run, tmp_path):
+    """A flag the run may change (evaluation) is honoured and said in one line, the notice gives
+    the step the run goes on from, and a missing curve.csv is rebuilt with its header (no NUL)."""
+    script, run_dir = stopped_run
+    (run_dir / "curve.csv").unlink()
+    summary, proc = run_script(script, "--resume", run_dir, "--eval-episodes", 1, cwd=tmp_path)
+    notices = [line for line in proc.stderr.splitlines() if line.startswith("notice:")]
+    assert "notice: resuming with --eval-episodes 1 (the run had 0)" in notices, notices
+    assert f"notice: resuming {run_dir} from step 250" in notices or any("from step 250" in n for n in notices), notices
+    assert any("curve.csv was missing or short; rebuilt" in n for n in notices), notices
+    curve = (run_dir / "curve.csv").read_bytes()
+    assert curve.startswith(b"step,seconds,episodic_return\n") and b"\0" not in curve and summary["eval_return"] is not None
+
+
+def test_resume_of_a_malformed_checkpoint_is_one_line(stopped_run, tmp_path):
+    script, run_dir = stopped_run
+    checkpoint = torch.load(run_dir / "resume.pt", weights_only=True)
+    del checkpoint["seeds"]
+    torch.save(checkpoint, run_dir / "resume.pt")
+    _, proc = run_script(script, "--resume", run_dir, cwd=tmp_path, check=False)
+    assert_one_line_error(proc, "cannot read", code=2)
+
+
+def test_one_writer_per_run_folder(stopped_run, tmp_path):
+    """A second process on a run folder in use is refused in one line naming the first; the lock
+    of a process that died (SIGKILL) blocks nothing."""
+    script, run_dir = stopped_run
+    first = start_script(script, tmp_path, "--resume", run_dir, "--total-timesteps", 10**7)
+    wait_for(first, "notice: resuming")
+    _, proc = run_script(script, "--resume", run_dir, "--total-timesteps", 10**7, cwd=tmp_path, check=False)
+    assert_one_line_error(proc, str(run_dir), f"pid {first.pid}", code=2)
+    first.kill()
+    first.communicate(timeout=60)
+    resumed, _ = run_script(script, "--resume", run_dir, "--total-timesteps", 400, cwd=tmp_path)
+    assert resumed["total_steps"] == 400
+
+
 def test_resume_of_a_finished_run_is_one_line_and_a_larger_budget_extends_it(stopped_run, tmp_path):
     script, run_dir = stopped_run
     done, _ = run_script(script, "--resume", run_dir, "--checkpoint-every", "1000", cwd=tmp_path)
@@ -269,7 +329,7 @@ def test_compiled_run_resumes_within_rounding(script, tmp_path):
     (parts := tmp_path / "parts").mkdir()
     argv = [*TINY[family(script)], "--compile", "--save-model"]
     unbroken, _ = run_script(script, *argv, cwd=whole)
-    before = SIGNAL_AT_STEP.format(at=STOP_AT[family(script)], signum=int(signal.SIGTERM))
+    before = SIGNAL_AT_STEP.format(at=STOP_AT[family(script)], signum=int(signal.SIGTERM), times=1)
     proc = start_script(script, parts, *argv, before=before)
     _, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 143, stderr
@@ -302,9 +362,9 @@ def test_loop_values_survive_a_weights_only_checkpoint():
         "rng": np.random.default_rng(3),
     }
     buffer = io.BytesIO()
-    torch.save(leanrl_utils.resume.to_plain(values), buffer)
+    torch.save(leanrl_utils.state.to_plain(values), buffer)
     buffer.seek(0)
-    back = leanrl_utils.resume.from_plain(torch.load(buffer, weights_only=True))
+    back = leanrl_utils.state.from_plain(torch.load(buffer, weights_only=True))
     assert back["counts"] == (1, 2.5, 3.0, None, "s")
     assert back["queue"] == values["queue"] and back["queue"].maxlen == 5
     assert all(a.dtype == b.dtype and (a == b).all() for a, b in zip(back["arrays"], values["arrays"]))
