@@ -10,6 +10,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from leanrl_utils.optimizers import Adam
+
 SKIP = object()
 CONTAINERS = {"__tuple__": tuple, "__list__": list, "__deque__": deque}
 
@@ -68,9 +70,9 @@ def state_of(obj):
         return {"tensors": {k: v.detach().cpu().clone() for k, v in obj.flatten_keys(".").items()}}
     if isinstance(obj, np.random.Generator):
         return {"generator": obj.bit_generator.state}
-    if callable(obj) and not isinstance(obj, nn.Module) and not hasattr(obj, "state_dict"):
+    if callable(obj) and not isinstance(obj, nn.Module):
         return {"closure": [g.bit_generator.state for g in closure_generators(obj)]}
-    if hasattr(obj, "state_dict"):  # modules and optimizers, torch's and ours
+    if isinstance(obj, (nn.Module, torch.optim.Optimizer, Adam)):  # another object's state_dict may be partial
         return {"state_dict": obj.state_dict()}
     if isinstance(obj, (gym.Env, gym.vector.VectorEnv)):
         return {"layers": [layer_state(layer) for layer in env_layers(obj)]}

@@ -226,12 +226,14 @@ def test_bad_input_under_torchrun_is_one_line_from_rank_0(argv, words, workdir):
 # own SIGINT reaches the rank (torchrun forwards the signal it got), while the rank ends its loop.
 FORWARDED = """
 import os, signal, time, leanrl_utils
-interrupt = leanrl_utils.Run.interrupt
-def forwarded(self):
-    os.kill(os.getpid(), signal.SIGINT)
-    time.sleep(0.5)
-    return interrupt(self)
-leanrl_utils.Run.interrupt = forwarded
+checkpoint = leanrl_utils.Run.checkpoint
+def forwarded(self, iteration):
+    stop = checkpoint(self, iteration)
+    if stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.5)
+    return stop
+leanrl_utils.Run.checkpoint = forwarded
 """
 
 

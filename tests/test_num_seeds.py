@@ -376,7 +376,7 @@ def test_ppo_atari_finished_games_go_to_their_seeds_run(atari):
         "episode": {"r": np.array([1.0, 2.0, 3.0, 4.0]), "l": np.array([10, 20, 30, 40])},
         "_episode": np.array([False, True, True, False]),
     }
-    assert [leanrl_utils.Run.finished(7, leanrl_utils.seeds.seed_slice(infos, k, 2)) for k in range(2)] == [
+    assert [leanrl_utils.vector.ended_episodes(7, leanrl_utils.seeds.seed_slice(infos, k, 2)) for k in range(2)] == [
         [(7, 2.0, 20)],
         [(7, 3.0, 30)],
     ]

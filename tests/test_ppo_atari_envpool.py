@@ -416,8 +416,7 @@ def test_returns_count_whole_games_over_lives(script):
     is over. Env 1 is cut by the step limit (truncated), which also ends its game. The charts
     come from leanrl_utils' `Run.episodes`, fed the wrapper's infos as the loop feeds them; both
     scripts make their envs with leanrl_utils' `envpool_envs`, which wraps them in this wrapper."""
-    assert load_script(script).envpool_envs is leanrl_utils.vector.envpool_envs
-    module = leanrl_utils
+    assert load_script(script).vector.envpool_envs is leanrl_utils.vector.envpool_envs
     #        (reward, terminated, truncated, lives, game over)
     steps = [
         [(1, False, False, 3, 0), (1, False, False, 5, 0)],
@@ -429,14 +428,14 @@ def test_returns_count_whole_games_over_lives(script):
         [(1, True, False, 0, 1), (0, False, False, 5, 0)],  # env 0: last life lost, game over
         [(0, False, False, 3, 0), (0, False, False, 5, 0)],  # env 0 reset step (new game)
     ]
-    envs = module.RecordEpisodeStatistics(ScriptedAtari(steps))
+    envs = leanrl_utils.vector.RecordEpisodeStatistics(ScriptedAtari(steps))
     charted = []
-    run = types.SimpleNamespace(returns=[], scalars=lambda step, values: charted.append((step, values)))
-    run.finished, run.record = module.Run.finished, functools.partial(module.Run.record, run)
+    run = types.SimpleNamespace(returns=[], points=charted)
+    run.record = functools.partial(leanrl_utils.Run.record, run)
     envs.reset()
     for t in range(len(steps)):
         *_, infos = envs.step(np.zeros(2, dtype=np.int64))
-        module.Run.episodes(run, t, infos)
+        leanrl_utils.Run.episodes(run, t, infos)
     assert charted == [
         (2, {"charts/episodic_return": 20.0, "charts/episodic_length": 3}),
         (6, {"charts/episodic_return": 30.0, "charts/episodic_length": 7}),
