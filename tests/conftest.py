@@ -2,7 +2,6 @@
 import a script as a module (for the numerics tests), list scripts by glob, and run a plain
 script and its lean twin in this process on the same random draws (the whole-run tests)."""
 
-import copy
 import importlib.util
 import json
 import os
@@ -16,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.nn as nn
 
 import leanrl_utils
 
@@ -486,9 +484,6 @@ def assert_refused_before_work(code, capsys, tmp_path, *words, started=False):
     return line
 
 
-# ---------------------------------------------------------------- PPO updates (CartPole and MuJoCo pairs)
-
-
 def stack_of_one(agent):
     """One agent's parameters as a lean script holds them: a stack of one (the agent's own
     parameters become views of it)."""
@@ -498,146 +493,3 @@ def stack_of_one(agent):
 def unstacked(update):
     """A lean update over a stack of one, called with one agent's batch and minibatch rows."""
     return lambda *batch_and_idx: update(*(x[None] for x in batch_and_idx))[0]
-
-
-def ppo_lean_update(lean, agent, args, compiled):
-    """A lean PPO script's minibatch update of one agent, eager (fused Adam) or compiled into one
-    graph (per-tensor Adam), and the lr tensor it reads."""
-    lr = torch.tensor(args.learning_rate)
-    optimizer = leanrl_utils.optimizers.Adam(stack_of_one(agent), lr, eps=1e-5, fused=not compiled)
-    update = lean.make_update(agent, optimizer, args)
-    options = {"guard_filter_fn": leanrl_utils.speed.value_guards}
-    return unstacked(torch.compile(update, fullgraph=True, options=options) if compiled else update), lr
-
-
-def ppo_plain_step(agent, optimizer, args, minibatch):
-    """The plain PPO scripts' minibatch step, as written in their loops."""
-    obs, actions, logprobs, advantages, returns, values = minibatch
-    _, newlogprob, entropy, newvalue = agent.get_action_and_value(obs, actions)
-    logratio = newlogprob - logprobs
-    ratio = logratio.exp()
-    with torch.no_grad():
-        old_approx_kl = (-logratio).mean()
-        approx_kl = ((ratio - 1) - logratio).mean()
-        clipfrac = ((ratio - 1.0).abs() > args.clip_coef).float().mean()
-    advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
-    pg_loss = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)).mean()
-    newvalue = newvalue.view(-1)
-    v_clipped = values + torch.clamp(newvalue - values, -args.clip_coef, args.clip_coef)
-    v_loss = 0.5 * torch.max((newvalue - returns) ** 2, (v_clipped - returns) ** 2).mean()
-    entropy_loss = entropy.mean()
-    loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
-    optimizer.zero_grad()
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-    optimizer.step()
-    return torch.stack([v_loss, pg_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac]).detach()
-
-
-def assert_ppo_same_draws_same_run(plain, lean, env_id, unused_draw, monkeypatch, tmp_path):
-    """The PPO pairs' whole runs on the same random draws, 2 envs of `env_id` cut at 20 steps (both
-    terminations and truncations), 4 iterations of 4 minibatch updates: the plain script takes its
-    minibatch order as torch.randperm draws it and, where it bootstraps, draws `unused_draw(agent,
-    obs)` as the lean script's policy does; the same metrics at every log point and final weights.
-    The caller patches the plain script's action distribution."""
-    monkeypatch.chdir(tmp_path)
-    args = dict(
-        env_id=short_env(env_id, 20), num_envs=2, num_steps=64, total_timesteps=512, num_minibatches=2, update_epochs=2
-    )
-    monkeypatch.setattr(plain.np.random, "shuffle", shuffle_as_lean)
-    get_value = plain.Agent.get_value
-
-    def get_value_drawing(self, x):
-        unused_draw(self, x)
-        return get_value(self, x)
-
-    monkeypatch.setattr(plain.Agent, "get_value", get_value_drawing)
-    plain_run, lean_run = recorded_runs([plain, lean], args, monkeypatch)
-    assert len(lean_run[0]) == 4
-    assert_same_run(plain_run, lean_run, [*lean.METRICS, "charts/learning_rate", "losses/explained_variance"])
-
-
-def same_seed_runs(path, workdir):
-    """Two runs of `path` at its tiny settings: their summaries without the timings (and the
-    run folder), and the summaries."""
-    timing = {"wall_s", "sps", "warmup_s", "peak_rss_mb", "run_dir"}
-    runs = [run_script(path, *TINY[family(path)], cwd=workdir)[0] for _ in range(2)]
-    return [{k: v for k, v in run.items() if k not in timing} for run in runs], runs
-
-
-def ppo_minibatches(generator, batch_size, minibatch_size, updates, rates, learning_rate):
-    """Per update: the lr tensors annealed in place as the loops do, and a minibatch's indices."""
-    for step in range(updates):
-        for rate in rates:
-            rate.copy_((1.0 - step / updates) * learning_rate)
-        yield torch.randperm(batch_size, generator=generator)[:minibatch_size]
-
-
-def changed_mlp(n_in, n_out, activation, device=None):
-    """A researcher's edit of a PPO network: other widths, `activation` first, ReLU after, and an
-    extra layer."""
-    return nn.Sequential(
-        nn.Linear(n_in, 32, device=device),
-        activation(),
-        nn.Linear(32, 48, device=device),
-        nn.ReLU(),
-        nn.Linear(48, 16, device=device),
-        nn.ReLU(),
-        nn.Linear(16, n_out, device=device),
-    )
-
-
-def assert_ppo_lean_update_is_plain(plain_agent, lean, lean_agent, args, batch, minibatch_size, generator):
-    """From the plain agent's parameters, 4 lean steps (torch.func, clipping on the gradient dict,
-    fused functional Adam with a tensor lr annealed in place) give the plain steps' metrics and
-    parameters (`loss.backward()`, `clip_grad_norm_`, `optim.Adam(eps=1e-5)`) on the same
-    minibatches. Tolerance: rtol 1e-5, atol 1e-6 (float32 round-off of two summation orders; a
-    wrong term moves the values by far more). Returns the plain steps' summed clip fractions."""
-    lean_agent.load_state_dict(plain_agent.state_dict())
-    initial = copy.deepcopy(plain_agent)
-    update, lr = ppo_lean_update(lean, lean_agent, args, compiled=False)
-    optimizer = torch.optim.Adam(plain_agent.parameters(), lr=args.learning_rate, eps=1e-5)
-    clipped = 0.0
-    for idx in ppo_minibatches(generator, len(batch[0]), minibatch_size, 4, (lr,), args.learning_rate):
-        optimizer.param_groups[0]["lr"] = float(lr)
-        expected = ppo_plain_step(plain_agent, optimizer, args, [t[idx] for t in batch])
-        torch.testing.assert_close(update(*batch, idx), expected, rtol=1e-5, atol=1e-6)
-        clipped += float(expected[-1])
-    for name, value in plain_agent.state_dict().items():
-        torch.testing.assert_close(lean_agent.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
-    assert all(not torch.equal(a, b) for a, b in zip(plain_agent.parameters(), initial.parameters()))
-    return clipped
-
-
-def assert_ppo_compiled_update_matches_eager(lean, agent, batch, minibatch_size, generator):
-    """Three compiled steps (one graph, per-tensor Adam) agree with three eager steps (fused
-    Adam) from the same agent, with the lr tensor changed in place between them. Tolerance: rtol
-    1e-4, atol 1e-5 (inductor reorders float32 reductions, ~1e-6; a wrong term moves them by far
-    more)."""
-    args = lean.Args()
-    agents = [agent, copy.deepcopy(agent)]
-    (eager, lr_eager), (compiled, lr_compiled) = (ppo_lean_update(lean, a, args, c) for a, c in zip(agents, (False, True)))
-    for idx in ppo_minibatches(generator, len(batch[0]), minibatch_size, 3, (lr_eager, lr_compiled), args.learning_rate):
-        torch.testing.assert_close(compiled(*batch, idx), eager(*batch, idx), rtol=1e-4, atol=1e-5)
-    for (name, a), (_, b) in zip(agents[0].named_parameters(), agents[1].named_parameters()):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)
-
-
-def assert_ppo_stack_of_one_is_the_one_agent(lean, single, args, batch, minibatch_size, generator):
-    """One seed is a stack of one: make_update over stack_seeds([agent]) with num_seeds 1 (the
-    rollout and indices with a leading seed dimension of 1) runs the one agent's own ops and the
-    same fused Adam kernel as the unstacked agent's update: its metrics and parameters bit for bit."""
-    stacked, initial = copy.deepcopy(single), copy.deepcopy(single)
-    single_update, single_lr = ppo_lean_update(lean, single, args, compiled=False)
-    lr = torch.tensor(args.learning_rate)
-    params = leanrl_utils.seeds.stack([stacked])
-    optimizer = leanrl_utils.optimizers.Adam(params.items(), lr, eps=1e-5, fused=True)
-    stacked_update = lean.make_update(stacked, optimizer, args, num_seeds=1)
-    for idx in ppo_minibatches(generator, len(batch[0]), minibatch_size, 3, (lr, single_lr), args.learning_rate):
-        expected = single_update(*batch, idx)
-        metrics = stacked_update(*(x[None] for x in batch), idx[None])
-        assert metrics.shape == (1, len(lean.METRICS))
-        torch.testing.assert_close(metrics[0], expected, rtol=0, atol=0)
-    for name, value in single.state_dict().items():
-        torch.testing.assert_close(stacked.state_dict()[name], value, rtol=0, atol=0, msg=name)
-    assert all(not torch.equal(a, b) for a, b in zip(single.parameters(), initial.parameters()))

@@ -27,8 +27,6 @@ import leanrl_utils
 FAMILY = "dqn_atari_envpool"
 
 
-# ---------------------------------------------------------------- frame buffer
-
 NUM_ENVS, STEPS, ROWS = 3, 400, 64
 
 
@@ -102,11 +100,9 @@ def buffers(plain, lean):
 @pytest.mark.parametrize("steps_taken", [40, STEPS], ids=["filling", "wrapped"])
 @pytest.mark.parametrize("which", ["plain", "lean"])
 def test_frame_buffer_rebuilds_every_stack(plain, lean, games, which, steps_taken):
-    """Every transition the buffer may sample (all but the newest row and, once the ring wraps,
-    its 3 oldest) gives back exactly the obs and next_obs stacks envpool returned, with its
-    action, reward and done, in every env: across lost lives (envpool pushes the first frame of
-    the next life on the old stack), game overs and truncations (the new game's stack is its first
-    frame 4 times), and after the ring has wrapped 6 times. Reset steps are marked skipped."""
+    """Every sampleable transition gives back the obs and next_obs stacks envpool returned, with its
+    action, reward and done, across lost lives, game overs, truncations and a ring wrapped 6 times;
+    reset steps are marked skipped."""
     rb, stacks = buffers(plain, lean)[which == "lean"]
     steps = games[:steps_taken]
     resets = fill(rb, steps)
@@ -180,9 +176,6 @@ def test_check_memory_refuses_a_buffer_that_does_not_fit(plain, lean, monkeypatc
         assert not (tmp_path / "runs").exists()
 
 
-# ---------------------------------------------------------------- update
-
-
 def update_case(lean, num_seeds, num_envs=2, rows=40):
     """A filled lean storage of random frames (some rows begin games) with seeds' networks."""
     g = torch.Generator().manual_seed(0)
@@ -246,10 +239,8 @@ def test_lean_update_is_the_plain_update(plain, lean, num_seeds):
 
 
 def test_compiled_update_matches_eager(lean):
-    """Compiled (as the script compiles it on a CPU) against eager from the same parameters on the
-    same batches: rtol 1e-5 and atol 1e-5 (float32, the compiled graph reorders the reductions;
-    Adam turns that into up to 3e-6, a 3% of its 1e-4 step, in 5 of the 1.7M weights, where a
-    gradient is near zero; the metrics differed by at most 5e-7)."""
+    """Compiled against eager on the same batches (rtol and atol 1e-5: Adam turns reordered sums into
+    up to 3e-6 in 5 of 1.7M weights where a gradient is near zero; metrics within 5e-7)."""
     nets, targets, storage, batches = update_case(lean, 1)
     eager_nets, eager = lean_update(lean, nets, targets, storage)
     compiled_nets, compiled = lean_update(lean, nets, targets, storage)
@@ -258,9 +249,6 @@ def test_compiled_update_matches_eager(lean):
         torch.testing.assert_close(compiled(idx), eager(idx), rtol=1e-5, atol=1e-5)
     for name, value in eager_nets[0].state_dict().items():
         torch.testing.assert_close(compiled_nets[0].state_dict()[name], value, rtol=1e-5, atol=1e-5, msg=name)
-
-
-# ---------------------------------------------------------------- a changed network
 
 
 def changed_network(lean, activation=nn.Tanh):
@@ -283,10 +271,8 @@ def changed_network(lean, activation=nn.Tanh):
 
 @pytest.mark.parametrize("num_seeds", [1, 3])
 def test_a_changed_network_acts_as_its_module(lean, monkeypatch, num_seeds, capsys):
-    """make_policy, derived from the module (`seeds_forward`), acts greedily on each seed's own
-    changed module: exactly for one seed, the same actions stacked (vmapped convolutions,
-    torch's float32 default tolerance on the Q-values). There is no numpy form of a convolution:
-    `numpy_forward` refuses it in one line, naming the layer."""
+    """make_policy acts greedily on each seed's changed module (exact for one seed, float32 default
+    stacked); numpy_forward refuses the convolution in one line naming it."""
     monkeypatch.setattr(lean, "QNetwork", changed_network(lean))
     torch.manual_seed(0)
     nets = [lean.QNetwork(4) for _ in range(num_seeds)]
@@ -322,15 +308,9 @@ def test_a_changed_network_trains_and_saves(lean, monkeypatch, tmp_path, capsys)
         assert all(v.isfinite().all() for v in saved.values())
 
 
-# ---------------------------------------------------------------- whole run
-
-
 def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path):
-    """Given the same random numbers, the two scripts make the same run: the same games, initial
-    weights, epsilon-greedy actions, stored frames, sampled stacks (redraws of reset steps
-    included), TD targets, Adam steps and target copies, over 600 steps of 2 envs with a ring
-    that wraps. They differ only in how they draw (blocks of steps in torch against a step's in
-    numpy) and in float rounding."""
+    """Given the same random numbers, the two scripts make the same run over 600 steps of 2 envs with
+    a ring that wraps (stored frames, sampled stacks, TD targets, Adam steps, target copies)."""
     monkeypatch.chdir(tmp_path)
     args = dict(
         num_envs=2, total_timesteps=600, learning_starts=200, buffer_size=300, batch_size=16, target_network_frequency=100
@@ -341,18 +321,14 @@ def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path)
     assert_same_run(plain_run, lean_run, ["losses/td_loss", "losses/q_values", "charts/epsilon"], weights_atol=1e-5)
 
 
-# ---------------------------------------------------------------- bad input
-
-
 @pytest.mark.parametrize(
     "argv,words",
     [
-        (["--env-id", "CartPole-v1"], ["CartPole-v1", "Atari"]),
         (["--buffer-size", "10", "--batch-size", "4"], ["--buffer-size 10", "16"]),
         (["--learning-starts", "1"], ["--learning-starts 1", "2"]),
         (["--batch-size", "300"], ["--batch-size 300", "--buffer-size 200"]),
     ],
-    ids=["not-atari", "small-buffer", "learning-starts", "batch"],
+    ids=["small-buffer", "learning-starts", "batch"],
 )
 def test_bad_input_is_one_line(either, argv, words, monkeypatch, tmp_path, capsys):
     refused_in_process(either, *argv, words=words, tmp_path=tmp_path, monkeypatch=monkeypatch, capsys=capsys)

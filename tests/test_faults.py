@@ -73,6 +73,7 @@ BAD = {
     "tau": ["2", "0"],
     "eval_episodes": ["-1"],
     "max_grad_norm": ["inf"],
+    "policy_frequency": ["0"],
 }
 CASES = [
     (script, flag, value)
@@ -88,7 +89,7 @@ def test_bad_flag_is_one_line_before_any_work(script, flag, value, tmp_path, mon
     code = main_in_process(
         load_script(script), f"--{flag.replace('_', '-')}", value, tmp_path=tmp_path, monkeypatch=monkeypatch
     )
-    assert_refused_before_work(code, capsys, tmp_path, f"--{flag.replace('_', '-')}")
+    assert_refused_before_work(code, capsys, tmp_path, f"--{flag.replace('_', '-')} {value}")
 
 
 @pytest.mark.parametrize("script", ALL, ids=lambda s: s.stem)
@@ -103,9 +104,6 @@ def test_unwritable_run_folder_fails_at_start(script, tmp_path, monkeypatch, cap
     (tmp_path / "runs").write_text("a file where the runs folder should be")
     code = main_in_process(load_script(script), "--save-model", tmp_path=tmp_path, monkeypatch=monkeypatch)
     assert_refused_before_work(code, capsys, tmp_path, "runs/", started=True)
-
-
-# ---------------------------------------------------------------- argument rules
 
 
 @pytest.mark.parametrize("name", ["../../escape", "", "sweep/lr1", ".hidden", "..", "a\\b", "tab\there"])
@@ -171,9 +169,6 @@ def open_file_limit(limit):
         yield
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-
-
-# ---------------------------------------------------------------- checkpoints
 
 
 def malformed(good):

@@ -53,9 +53,6 @@ def refused(script, *argv, tmp_path, monkeypatch, capsys):
     return line
 
 
-# ---------------------------------------------------------------- a budget that ends before learning
-
-
 @pytest.mark.parametrize("script", OFF_POLICY, ids=lambda s: s.stem)
 def test_budget_that_ends_before_learning_starts_runs_with_a_notice(script, workdir):
     """A smoke run (a few hundred steps, as install checks run) trains nothing: it runs, says so
@@ -86,9 +83,6 @@ def test_check_budget_at_its_boundary(budget):
     assert leanrl_utils.checks.budget(types.SimpleNamespace(total_timesteps=1, num_envs=1)) is False  # on-policy
 
 
-# ---------------------------------------------------------------- --total-timesteps 0 only evaluates
-
-
 @pytest.mark.parametrize(
     "argv", [["--load-model", "model.pt"], ["--eval-episodes", 2], []], ids=["no-eval-episodes", "no-load-model", "neither"]
 )
@@ -99,9 +93,6 @@ def test_zero_budget_is_evaluation_only(script, argv, tmp_path, monkeypatch, cap
         assert words in error, error
 
 
-# ---------------------------------------------------------------- rollout storage against memory
-
-
 @pytest.mark.parametrize("flag, value", [("--num-steps", 10**12), ("--num-envs", 10**9)], ids=["num-steps", "num-envs"])
 @pytest.mark.parametrize("script", ROLLOUT, ids=lambda s: s.stem)
 def test_rollout_beyond_memory_is_one_line_before_allocating(script, flag, value, tmp_path, monkeypatch, capsys):
@@ -110,8 +101,6 @@ def test_rollout_beyond_memory_is_one_line_before_allocating(script, flag, value
     error = refused(script, *argv, tmp_path=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
     assert f"{flag} {value}" in error and "GiB" in error, error
 
-
-# ---------------------------------------------------------------- env ids that cannot be made
 
 BAD_ENVS = {
     "needs-jax": ("phys2d/CartPole-v1", ["jax", "install"]),
@@ -135,8 +124,6 @@ def test_env_that_cannot_be_made_is_one_line_before_the_run_folder(script, env_i
     for word in [env_id, *words]:
         assert word in error, error
 
-
-# ---------------------------------------------------------------- Ctrl-C before the run exists
 
 # Python source run before the script: a real SIGINT arrives at a point after leanrl_utils is
 # imported and before the run exists. Ctrl-C as from a terminal: a pytest-xdist worker ignores
@@ -167,8 +154,6 @@ def test_ctrl_c_before_the_run_is_one_line_and_130(script, case, tmp_path):
     assert proc.stdout == "" and not (tmp_path / "runs").exists()
 
 
-# ---------------------------------------------------------------- a PPO run that blows up
-
 # The step of the first log point at each PPO family's tiny settings (one iteration's batch).
 FIRST_LOG_STEP = {"ppo": 128, "ppo_continuous_action": 64, "ppo_atari_envpool": 32}
 
@@ -183,9 +168,6 @@ def test_non_finite_ppo_loss_stops_with_one_line_and_saves_no_broken_weights(scr
     assert proc.returncode == 1 and summary["checkpoint"] is None and "no checkpoint saved" in proc.stderr
 
 
-# ---------------------------------------------------------------- tyro's box, kept
-
-
 @pytest.mark.parametrize("argv", [["--no-such-flag"], ["--seed", "abc"]], ids=["unknown-flag", "malformed-value"])
 def test_unknown_or_malformed_flag_keeps_tyros_box_as_the_readme_says(argv, workdir):
     _, proc = run_script(ALL[0], *argv, cwd=workdir, check=False)
@@ -193,9 +175,6 @@ def test_unknown_or_malformed_flag_keeps_tyros_box_as_the_readme_says(argv, work
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and 5 <= len(lines) <= 9, proc.stderr
     assert lines[0].startswith("\u256d") and argv[-1] in proc.stderr, proc.stderr  # the box's top-left corner
     assert "keeps tyro's boxed usage message" in " ".join((ROOT / "README.md").read_text().split())
-
-
-# ---------------------------------------------------------------- torchrun: one line, and Ctrl-C
 
 
 @pytest.mark.parametrize(

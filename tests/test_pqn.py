@@ -33,9 +33,6 @@ FAMILY = "pqn"
 PLAIN_PATH, LEAN_PATH = BOTH = pair(FAMILY)
 
 
-# ---------------------------------------------------------------- Q(lambda) returns
-
-
 def reference_returns(rewards, values, next_value, dones, gamma, q_lambda):
     """Q(lambda) one env and one step at a time, from its definition: the return of step t is
     its reward plus the discounted mix (1 - lambda) max Q(next obs) + lambda G[t + 1]; where the
@@ -92,9 +89,6 @@ def test_returns_at_lambda_zero_and_one(lean):
     torch.testing.assert_close(monte_carlo[1, 1], (discounts[:15] * rewards[1:, 1]).sum())
 
 
-# ---------------------------------------------------------------- epsilon schedule
-
-
 def test_epsilon_schedule_end_points_in_both_scripts(plain, lean):
     """CleanRL's defaults: 1.0 to 0.05 over half of 500k steps, then flat."""
     duration = 0.5 * 500_000
@@ -137,10 +131,8 @@ def test_lean_draws_explore_below_epsilon(lean):
 
 @pytest.mark.parametrize("host", [True, False], ids=["numpy", "torch"])
 def test_lean_policy_is_the_q_networks_argmax_and_max(lean, host):
-    """Acting, in numpy on a CPU and in torch elsewhere (behind `host_arrays`, as the loop calls
-    it), gives the Q-network's greedy action and max Q for each observation, also after RAdam
-    has moved the weights (the numpy policy reads views of the parameters). Tolerance: torch's
-    float32 default (LayerNorm's statistics as matmuls)."""
+    """Acting in numpy and in torch gives the greedy action and max Q, also after RAdam moved the
+    weights (float32 default tolerance: LayerNorm's statistics as matmuls)."""
     torch.manual_seed(0)
     q_network = lean.QNetwork(4, 3)
     params = dict(leanrl_utils.seeds.stack([q_network]).items())  # one seed: a stack of one, as the script
@@ -157,9 +149,6 @@ def test_lean_policy_is_the_q_networks_argmax_and_max(lean, host):
         torch.testing.assert_close(greedy, q.argmax(dim=1), rtol=0, atol=0)
         assert len(greedy.unique()) > 1  # not one action everywhere
         optimizer.step({name: torch.randn_like(p) for name, p in q_network.named_parameters()})
-
-
-# ---------------------------------------------------------------- another network
 
 
 def network_like(lean, hidden, activation):
@@ -184,10 +173,8 @@ EDITS = {"wider-tanh": ((64,), nn.Tanh), "deeper-relu": ((32, 48, 16), nn.ReLU),
 @pytest.mark.parametrize("host", [True, False], ids=["numpy", "torch"])
 @pytest.mark.parametrize("edit", EDITS)
 def test_an_edited_network_is_what_the_policies_act_with(lean, edit, host, num_seeds, monkeypatch):
-    """Edit QNetwork (in the script's namespace, as a researcher edits the class): the numpy and
-    the torch policy, for one seed and for stacked seeds, give each seed's observations the greedy
-    action and max Q of that seed's edited module, before and after the weights move. One seed in
-    torch runs the module's own ops: exactly its values. Else tolerance: torch's float32 default."""
+    """An edited QNetwork: both policies, one seed or stacked, act with each seed's edited module,
+    before and after the weights move (one seed in torch: exact; else float32 default)."""
     monkeypatch.setattr(lean, "QNetwork", network_like(lean, *EDITS[edit]))
     torch.manual_seed(0)
     nets = [lean.QNetwork(4, 3) for _ in range(num_seeds)]
@@ -253,8 +240,6 @@ def test_a_layer_numpy_cannot_follow_is_refused_in_one_line(lean, monkeypatch, t
     assert len(errors) == 1 and "GELU" in errors[0] and "Traceback" not in err and out.strip() == "", err
 
 
-# ---------------------------------------------------------------- truncations
-
 SHORT_ID = short_env("CartPole-v1", 20)  # random play both terminates and truncates
 
 
@@ -294,9 +279,6 @@ def test_plain_script_runs_through_truncations(plain, monkeypatch, tmp_path):
     assert main_in_process(plain, "--env-id", SHORT_ID, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
 
 
-# ---------------------------------------------------------------- update numerics
-
-
 def update_case(lean, seed=0, n=256):
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed + 1)
@@ -313,12 +295,8 @@ def one_seed_update(lean, q_network, lr, max_grad_norm, capturable=False):
 
 
 def test_lean_update_is_the_plain_update(plain, lean):
-    """From the same parameters and minibatches, the lean step (torch.func gradient, clipping on
-    the gradients dict, the functional RAdam with a 0-d learning rate annealed in place) and the
-    plain script's step (`F.mse_loss`, `loss.backward()`, `nn.utils.clip_grad_norm_`,
-    `optim.RAdam`) give the same losses and parameters. A max_grad_norm of 1 makes the clipping
-    bite. Tolerance: rtol 1e-5, atol 1e-6 (the two sum the gradients in another order; each step
-    moves a weight by up to lr = 2.5e-4)."""
+    """The lean step (torch.func, clipping on the gradient dict, functional RAdam, 0-d lr annealed
+    in place) against pqn.py's, the clipping biting (rtol 1e-5, atol 1e-6)."""
     q_network, (b_obs, b_actions, b_returns), minibatches = update_case(lean)
     reference = plain.QNetwork(4, 2)
     reference.load_state_dict(q_network.state_dict())
@@ -344,10 +322,8 @@ def test_lean_update_is_the_plain_update(plain, lean):
 
 
 def test_compiled_update_matches_eager(lean):
-    """Compiled as the script compiles it (fullgraph, RAdam capturable, whose rectification is a
-    torch.where) against eager (RAdam's Python branch), from the same parameters on the same 8
-    minibatches, the learning rate annealed in place between steps. Tolerance: rtol 1e-5, atol
-    1e-6 on metrics and parameters (float32; the graph fuses and reorders reductions)."""
+    """Compiled as the script does (fullgraph, capturable RAdam) against eager, on 8 minibatches
+    with the lr annealed in place (rtol 1e-5, atol 1e-6)."""
     q_eager, batch, minibatches = update_case(lean)
     q_compiled = copy.deepcopy(q_eager)
     initial = copy.deepcopy(q_eager.state_dict())
@@ -374,16 +350,9 @@ def test_compiled_update_matches_eager(lean):
             assert not torch.equal(value, initial[name]), name
 
 
-# ---------------------------------------------------------------- whole run
-
-
 def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path):
-    """Given the same random numbers, the two scripts make the same run: the same envs and
-    seeds, initial weights, epsilon-greedy actions, Q(lambda) returns (terminations and
-    time-limit truncations inside the rollouts), learning-rate annealing, minibatch order and
-    RAdam steps, for 4 iterations of 8 minibatch updates. So the scripts differ only in how they
-    draw (a rollout's draws at once against a step's, torch.randperm against
-    np.random.shuffle: the same distributions) and in float rounding."""
+    """Given the same random numbers, the two scripts make the same run for 4 iterations of 8
+    minibatch updates (epsilon-greedy actions, Q(lambda) returns through truncations, RAdam steps)."""
     monkeypatch.chdir(tmp_path)
     args = dict(env_id=SHORT_ID, num_envs=4, num_steps=32, total_timesteps=512, num_minibatches=4, update_epochs=2)
     monkeypatch.setattr(plain, "torch", TorchDrawingAsLean(args["num_steps"]))
@@ -393,34 +362,25 @@ def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path)
     assert_same_run(plain_run, lean_run, [*lean.METRICS, "charts/learning_rate", "charts/epsilon"])
 
 
-# ---------------------------------------------------------------- bad input
+# Per case: the pair, its argv and the words of the one line (Atari's batch is 2 envs x 16 steps = 32).
+BAD_INPUT = {
+    "continuous": ("pqn", ["--env-id", "Pendulum-v1"], ["Pendulum-v1", "Box action space", "discrete"]),
+    "minibatches": ("pqn", ["--num-minibatches", "3"], ["--num-minibatches 3", "128"]),
+    "budget": ("pqn", ["--total-timesteps", "100"], ["--total-timesteps 100", "128"]),
+    "lambda": ("pqn", ["--q-lambda", "1.5"], ["--q-lambda 1.5"]),
+    "atari-minibatches": ("pqn_atari_envpool", ["--num-minibatches", "3"], ["--num-minibatches 3", "32"]),
+    "atari-budget": ("pqn_atari_envpool", ["--total-timesteps", "20"], ["--total-timesteps 20", "32"]),
+    "atari-lambda": ("pqn_atari_envpool", ["--q-lambda", "-0.1"], ["--q-lambda -0.1"]),
+}
 
 
 @pytest.mark.parametrize(
-    "argv,words",
-    [
-        (["--env-id", "Pendulum-v1"], ["Pendulum-v1", "Box action space", "discrete"]),
-        (["--num-minibatches", "3"], ["--num-minibatches 3", "128"]),
-        (["--total-timesteps", "100"], ["--total-timesteps 100", "128"]),
-        (["--q-lambda", "1.5"], ["--q-lambda 1.5"]),
-    ],
-    ids=["continuous", "minibatches", "budget", "lambda"],
+    "path, case", [(p, c) for c in BAD_INPUT for p in pair(BAD_INPUT[c][0])], ids=lambda v: getattr(v, "stem", v)
 )
-def test_bad_input_is_one_line(either, argv, words, monkeypatch, tmp_path, capsys):
-    refused_in_process(either, *argv, words=words, tmp_path=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+def test_bad_input_is_one_line(path, case, monkeypatch, tmp_path, capsys):
+    _, argv, words = BAD_INPUT[case]
+    refused_in_process(load_script(path), *argv, words=words, tmp_path=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
 
-
-def test_a_checkpoint_moves_across_the_pair(workdir):
-    """The lean script's checkpoint loads into the plain script, and the other way round."""
-    for source, target in ((LEAN_PATH, PLAIN_PATH), (PLAIN_PATH, LEAN_PATH)):
-        summary, _ = run_script(source, *TINY["pqn"], "--save-model", cwd=workdir)
-        loaded, _ = run_script(
-            target, "--total-timesteps", 0, "--load-model", summary["checkpoint"], "--eval-episodes", 2, cwd=workdir
-        )
-        assert loaded["eval_return"] > 0
-
-
-# ---------------------------------------------------------------- learning
 
 # CleanRL's defaults (500k steps). The mean return of the last 10 training episodes (500 is the
 # maximum, a random policy gets about 22) must reach LEARNING_THRESHOLD. Seed 3 ends at 500 in

@@ -18,16 +18,12 @@ from conftest import (
     atari_batch,
     main_in_process,
     recorded_runs,
-    refused_in_process,
     shuffle_as_lean,
 )
 
 import leanrl_utils
 
 FAMILY = "pqn_atari_envpool"
-
-
-# ---------------------------------------------------------------- Q(lambda) returns
 
 
 def reference_returns(rewards, values, next_value, terminations, dones, gamma, q_lambda):
@@ -70,9 +66,6 @@ def test_returns_match_the_reference_loop(lean):
     torch.testing.assert_close(returns[9, 1], rewards[9, 1] + 0.99 * values[10, 1])
 
 
-# ---------------------------------------------------------------- epsilon
-
-
 def test_epsilon_schedule_end_points_in_both_scripts(plain, lean):
     """CleanRL's Atari defaults: 1.0 to 0.01 over 10% of 10M steps, then flat."""
     for t, value in {0: 1.0, 500_000: 0.505, 1_000_000: 0.01, 10_000_000: 0.01}.items():
@@ -80,9 +73,6 @@ def test_epsilon_schedule_end_points_in_both_scripts(plain, lean):
         assert lean.linear_schedule(1.0, 0.01, 1_000_000, t) == pytest.approx(value, abs=1e-12)
     assert plain.Args().end_e == lean.Args().end_e == 0.01
     assert plain.Args().exploration_fraction == lean.Args().exploration_fraction == 0.1
-
-
-# ---------------------------------------------------------------- update numerics
 
 
 def make_batch(n, seed=0):
@@ -102,11 +92,8 @@ def test_lean_network_is_the_plain_network(plain, lean):
 
 
 def test_lean_update_is_the_plain_update(plain, lean):
-    """From the same parameters and minibatches: the lean step (torch.func, clipping on the
-    gradients, functional RAdam with a 0-d learning rate annealed in place) and the plain
-    script's step as written in pqn_atari_envpool.py (masked squared error, `loss.backward()`,
-    `nn.utils.clip_grad_norm_`, `optim.RAdam`). A max_grad_norm of 0.5 makes the clipping bite.
-    Tolerance rtol 1e-4, atol 1e-6 (convolutions sum in another order for the two)."""
+    """The lean step against the plain script's as written in pqn_atari_envpool.py (masked squared
+    error, clipping biting at 0.5, RAdam), the lr annealed (rtol 1e-4, atol 1e-6)."""
     torch.manual_seed(0)
     q_network = lean.QNetwork(4)
     reference = plain.QNetwork(4)
@@ -180,9 +167,6 @@ def test_compiled_update_matches_eager(lean):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=name)
 
 
-# ---------------------------------------------------------------- a changed network
-
-
 def changed_network(lean, head_activation=nn.Tanh):
     """lean.QNetwork as a researcher might change it: two convolutions of other widths, Tanh for
     ReLU, a narrower head with one more layer. LayerNorm weights made random, so that reading
@@ -209,17 +193,10 @@ def changed_network(lean, head_activation=nn.Tanh):
 
 
 def test_a_changed_network_acts_as_its_module(lean, monkeypatch, capsys):
-    """With the script's QNetwork changed, every form the lean script derives from it follows:
-    its channels-last forward computes what the module's own layers compute in order (the plain
-    script's `self.network(x / 255.0)`, tolerance 1e-5: convolutions sum in another order),
-    make_policy acts greedily on exactly the module's forward and returns its max Q, and the
-    stacked-seed form (`seeds_forward`, one seed: what the update's functional_call runs) is
-    exactly the module. The whole network has no numpy form: `numpy_forward` refuses its first
-    convolution in one line, which is why this script acts in torch on every device; the head,
-    in numpy, acts as the module's head for one seed and for stacked seeds (tolerance 1e-5), as
-    does its torch form (exactly for one seed, 1e-5 stacked), and refuses a layer it has no form
-    for (GELU) by name. (torch's vmap cannot run the channels-last forward over stacked seeds:
-    this script has no --num-seeds.)"""
+    """With QNetwork changed, every lean form follows the module: the channels-last forward (1e-5),
+    make_policy's greedy action and max Q and the stacked-seed form (exact). numpy_forward refuses the
+    convolution in one line; the head in numpy and torch acts as the module's head (one seed and
+    stacked), and a GELU in it is refused by name. (vmap cannot run channels-last seeds: no --num-seeds.)"""
     monkeypatch.setattr(lean, "QNetwork", changed_network(lean))
     torch.manual_seed(0)
     q_network, other = lean.QNetwork(6), lean.QNetwork(6)
@@ -279,17 +256,10 @@ def test_a_changed_network_trains_and_saves(lean, monkeypatch, tmp_path, capsys)
     assert all(v.isfinite().all() for v in saved.values())
 
 
-# ---------------------------------------------------------------- whole run
-
-
 def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path):
-    """Given the same random numbers, the two scripts make the same run: the same envs, initial
-    weights, epsilon-greedy actions, rollout bookkeeping (envpool's reset steps), Q(lambda)
-    returns, learning-rate annealing, minibatch order and RAdam steps, for 4 iterations of 8
-    minibatch updates. So the scripts differ only in how they draw (a rollout's draws at once
-    against a step's, torch.randperm against np.random.shuffle: the same distributions) and in
-    float rounding, which RAdam turns into up to 2% of a step (5e-6) in 2 of the 1.6M weights
-    of the first linear layer."""
+    """Given the same random numbers, the two scripts make the same run for 4 iterations of 8
+    minibatch updates (reset steps, Q(lambda) returns, lr annealing, RAdam); RAdam turns rounding into
+    up to 2% of a step (5e-6) in 2 of the 1.6M weights of the first linear layer."""
     monkeypatch.chdir(tmp_path)
     args = dict(env_id="Breakout-v5", num_envs=4, num_steps=64, total_timesteps=1024, num_minibatches=4, update_epochs=2)
     monkeypatch.setattr(plain, "torch", TorchDrawingAsLean(args["num_steps"]))
@@ -297,20 +267,3 @@ def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path)
     plain_run, lean_run = recorded_runs([plain, lean], args, monkeypatch)
     assert len(lean_run[0]) == 4
     assert_same_run(plain_run, lean_run, [*lean.METRICS, "charts/learning_rate", "charts/epsilon"], weights_atol=1e-5)
-
-
-# ---------------------------------------------------------------- bad input
-
-
-@pytest.mark.parametrize(
-    "argv,words",
-    [
-        (["--env-id", "Pendulum-v1"], ["Pendulum-v1", "Atari"]),
-        (["--num-minibatches", "3"], ["--num-minibatches 3", "32"]),
-        (["--total-timesteps", "20"], ["--total-timesteps 20", "32"]),
-        (["--q-lambda", "-0.1"], ["--q-lambda -0.1"]),
-    ],
-    ids=["not-atari", "minibatches", "budget", "lambda"],
-)
-def test_bad_input_is_one_line(either, argv, words, monkeypatch, tmp_path, capsys):
-    refused_in_process(either, *argv, words=words, tmp_path=tmp_path, monkeypatch=monkeypatch, capsys=capsys)

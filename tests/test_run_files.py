@@ -20,9 +20,6 @@ import leanrl_utils
 DQN, DQN_LEAN = pair("dqn")
 
 
-# ---------------------------------------------------------------- unique run folders
-
-
 @pytest.mark.parametrize("taken", [0, 1, 2])
 def test_run_folders_are_made_exclusively_with_a_suffix(taken, tmp_path, monkeypatch, capsys):
     """Runs started in one second with the same env, exp name and seed (a sweep varying only the
@@ -56,8 +53,6 @@ def test_each_seed_gets_a_folder_of_its_own(tmp_path, monkeypatch, capsys):
         leanrl_utils.seeds.finish(runs, 0, 0, [{}, {}], None)
         assert last_summary(capsys.readouterr().out)["run_dir"] == runs[0].dir
 
-
-# ---------------------------------------------------------------- curve.csv and the final save
 
 # Prints each log point's step (with an episode seen, so that curve.csv has its row) to stderr.
 LOG_POINTS = """
@@ -217,9 +212,6 @@ def test_signals_during_the_final_save_are_recorded(signums, tmp_path):
     checkpoint = torch.load(tmp_path / summary["checkpoint"], weights_only=True)
     assert all(torch.isfinite(t).all() for net in checkpoint["model"].values() for t in net.values())
     assert not list(tmp_path.rglob("*.tmp"))
-
-
-# ---------------------------------------------------------------- many seeds
 
 
 def test_num_seeds_summary_is_strict_json(tmp_path, monkeypatch, capsys):

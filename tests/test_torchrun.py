@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, assert_bad_input, family, run_script, script_command, script_env, scripts
+from conftest import TINY, assert_bad_input, family, pair, run_script, script_command, script_env, scripts
 
 # The lean PPO scripts, which take torchrun (the other lean scripts are off-policy and do not).
 LEAN_PPO = scripts("ppo_*_torchcompile.py")
@@ -138,27 +138,15 @@ def test_all_reduced_gradient_is_the_gradient_of_both_batches(script, workdir):
 
 @pytest.mark.learning
 def test_two_ranks_learn_inverted_pendulum(workdir):
-    from test_ppo_continuous_action import LEAN_PATH, LEARNING_THRESHOLD
+    from test_ppo_family import LEARNING
 
     # The single-process test's 40,960 env steps in batches of 1024: 512 steps on each rank.
-    proc = torchrun(
-        LEAN_PATH,
-        "--env-id",
-        "InvertedPendulum-v5",
-        "--total-timesteps",
-        "40960",
-        "--num-steps",
-        "512",
-        "--seed",
-        "1",
-        "--compile",
-        cwd=workdir,
-        timeout=1200,
-    )
+    argv = "--env-id InvertedPendulum-v5 --total-timesteps 40960 --num-steps 512 --seed 1 --compile".split()
+    proc = torchrun(pair("ppo_continuous_action")[1], *argv, cwd=workdir, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-1000:]
     (summary,) = summaries(proc)
     assert summary["batch_size"] == 1024 and summary["total_steps"] == 40960
-    assert summary["episodic_return"] >= LEARNING_THRESHOLD, summary
+    assert summary["episodic_return"] >= LEARNING["ppo_continuous_action"][1], summary
 
 
 @pytest.mark.parametrize("script", LEAN_PPO, ids=lambda p: p.stem)

@@ -55,8 +55,6 @@ def test_same_step_envs_step_as_gymnasium_does(env_id):
     theirs.close()
 
 
-# ---------------------------------------------------------------- networks written once
-
 NETWORKS = {
     "relu": lambda: nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 3)),
     "tanh, extra layer": lambda: nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 9), nn.Tanh(), nn.Linear(9, 3)),
@@ -160,8 +158,6 @@ def test_stack_of_one_runs_the_modules_own_ops():
     with torch.no_grad():
         assert torch.equal(leanrl_utils.seeds.forward(nets[0])(dict(params.items()), x)[0], nets[0](x[0]))
 
-
-# ---------------------------------------------------------------- other platforms
 
 # psutil is imported first: on Linux it reads `resource` itself, which its Windows build does not.
 NO_POSIX = "import psutil, sys, signal; sys.modules['resource'] = None; del signal.pthread_sigmask"
