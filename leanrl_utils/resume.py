@@ -73,7 +73,7 @@ def read(args, script, argv=None):
     lock = hold(path.parent)
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-        saved_args, saved_script, done = checkpoint["args"], checkpoint["script"], checkpoint["seeds"][0]["step"]
+        saved_args, saved_script, done = checkpoint["args"], checkpoint["script"], checkpoint["loop"]["__tuple__"][0]
         assert isinstance(saved_args, dict) and isinstance(done, int) and isinstance(checkpoint["finished"], bool)
         assert all(isinstance(checkpoint[k], dict) for k in ("objects", "loop", "random"))
     except Exception as e:  # torch.load raises many types for a file that is no checkpoint; a field can be missing

@@ -216,18 +216,11 @@ def test_drifted_ranks_stop_the_run(drift, workdir):
 
 def test_the_distributed_helpers_live_in_leanrl_utils():
     """One lean pattern: what torchrun needs is imported from leanrl_utils by every script that has it."""
-    import leanrl_utils
+    import leanrl_utils.torchrun
 
-    names = [
-        "init_distributed",
-        "error_line",
-        "broadcast_parameters",
-        "all_reduce_mean",
-        "gather_episodes",
-        "finish_distributed",
-    ]
+    names = ["init", "error_line", "broadcast", "all_reduce_mean", "gather_episodes", "leave"]
     for path in LEAN_PPO:
         text = path.read_text()
         for name in names:
-            assert f"\ndef {name}(" not in text and name in text, (path.name, name)
-            assert callable(getattr(leanrl_utils, name))
+            assert f"\ndef {name}(" not in text and f"torchrun.{name}(" in text, (path.name, name)
+            assert callable(getattr(leanrl_utils.torchrun, name))
