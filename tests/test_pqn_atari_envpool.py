@@ -12,14 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from conftest import (
-    TorchDrawingAsLean,
-    assert_same_run,
-    atari_batch,
-    main_in_process,
-    recorded_runs,
-    shuffle_as_lean,
-)
+from conftest import TorchDrawingAsLean, assert_same_run, atari_batch, main_in_process, recorded_runs, shuffle_as_lean
 
 import leanrl_utils
 

@@ -9,17 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
-    SCRIPTS,
-    SIGNAL_AT_STEP,
-    TINY,
-    assert_one_line_error,
-    family,
-    run_script,
-    scripts,
-    start_script,
-    wait_for,
-)
+from conftest import SCRIPTS, SIGNAL_AT_STEP, TINY, assert_one_line_error, family, run_script, scripts, start_script, wait_for
 
 # envpool's Atari games count steps in leanrl_utils' vector wrapper: one call per vector step.
 SIGNAL_AT_VECTOR_STEP = SIGNAL_AT_STEP.replace(
