@@ -218,16 +218,9 @@ def test_the_distributed_helpers_live_in_leanrl_utils():
     """One lean pattern: what torchrun needs is imported from leanrl_utils by every script that has it."""
     import leanrl_utils
 
-    names = [
-        "init_distributed",
-        "error_line",
-        "broadcast_parameters",
-        "all_reduce_mean",
-        "gather_episodes",
-        "finish_distributed",
-    ]
     for path in LEAN_PPO:
         text = path.read_text()
-        for name in names:
+        for name in ("init_distributed", "error_line", "broadcast_parameters", "all_reduce_mean", "gather_episodes",
+                     "finish_distributed"):  # fmt: skip
             assert f"\ndef {name}(" not in text and name in text, (path.name, name)
             assert callable(getattr(leanrl_utils, name))
