@@ -113,28 +113,6 @@ def test_lean_draws_explore_below_epsilon(lean):
     assert set(random_actions.unique().tolist()) == {0, 1}
 
 
-@pytest.mark.parametrize("host", [True, False], ids=["numpy", "torch"])
-def test_lean_policy_is_the_q_networks_argmax_and_max(lean, host):
-    """Acting in numpy and in torch gives the greedy action and max Q, also after RAdam moved the
-    weights (float32 default tolerance: LayerNorm's statistics as matmuls)."""
-    torch.manual_seed(0)
-    q_network = lean.QNetwork(4, 3)
-    params = dict(leanrl_utils.seeds.stack([q_network]).items())  # one seed: a stack of one, as the script
-    policy = lean.make_policy(q_network, params, 1, host)
-    if not host:  # as the loop calls a device's policy
-        policy = leanrl_utils.acting.host_arrays(policy, torch.device("cpu"))
-    optimizer = leanrl_utils.optimizers.RAdam(q_network.named_parameters(), torch.tensor(0.1))
-    obs = torch.randn(1000, 4)
-    for _ in range(2):
-        with torch.no_grad():
-            q = q_network(obs)
-            greedy, value = (torch.from_numpy(x) for x in policy(obs.numpy()))
-        torch.testing.assert_close(value, q.max(dim=1).values)
-        torch.testing.assert_close(greedy, q.argmax(dim=1), rtol=0, atol=0)
-        assert len(greedy.unique()) > 1  # not one action everywhere
-        optimizer.step({name: torch.randn_like(p) for name, p in q_network.named_parameters()})
-
-
 def network_like(lean, hidden, activation):
     """QNetwork as a researcher might edit it: other widths (and LayerNorm widths), another
     number of layers, another activation."""
@@ -150,16 +128,18 @@ def network_like(lean, hidden, activation):
     return Edited
 
 
-EDITS = {"wider-tanh": ((64,), nn.Tanh), "deeper-relu": ((32, 48, 16), nn.ReLU), "silu": ((120, 84), nn.SiLU)}
+# None: the script's own QNetwork.
+EDITS = {"cleanrl": None, "wider-tanh": ((64,), nn.Tanh), "deeper-relu": ((32, 48, 16), nn.ReLU), "silu": ((120, 84), nn.SiLU)}
 
 
 @pytest.mark.parametrize("num_seeds", [1, 3])
 @pytest.mark.parametrize("host", [True, False], ids=["numpy", "torch"])
 @pytest.mark.parametrize("edit", EDITS)
 def test_an_edited_network_is_what_the_policies_act_with(lean, edit, host, num_seeds, monkeypatch):
-    """An edited QNetwork: both policies, one seed or stacked, act with each seed's edited module,
+    """CleanRL's QNetwork or an edited one: both policies, one seed or stacked, act with each seed's module,
     before and after the weights move (one seed in torch: exact; else float32 default)."""
-    monkeypatch.setattr(lean, "QNetwork", network_like(lean, *EDITS[edit]))
+    if EDITS[edit]:
+        monkeypatch.setattr(lean, "QNetwork", network_like(lean, *EDITS[edit]))
     torch.manual_seed(0)
     nets = [lean.QNetwork(4, 3) for _ in range(num_seeds)]
     with torch.no_grad():  # LayerNorm starts with scale 1 and shift 0: move them
