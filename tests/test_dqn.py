@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 from conftest import (
     assert_dqn_step_is_the_plain_step,
+    dqn_learner,
     main_in_process,
     pair,
     run_script,
@@ -313,16 +314,6 @@ def update_case(lean, num_seeds, batch_size=32, buffer_size=500):
     return args, nets, targets, storage, batches
 
 
-def lean_update(lean, nets, targets, storage, gamma, learning_rate):
-    """main's set-up over copies of `nets` and `targets`: stacked parameters (one seed is a stack
-    of one), one functional Adam, the update."""
-    nets, targets = copy.deepcopy(nets), copy.deepcopy(targets)
-    params, target_params = leanrl_utils.seeds.stack(nets), leanrl_utils.seeds.stack(targets)
-    optimizer = leanrl_utils.optimizers.Adam(params.items(), learning_rate)
-    update = lean.make_update(nets[0], dict(target_params.items()), optimizer, storage, gamma, len(nets))
-    return nets, params, target_params, update
-
-
 # One seed computes with the module's own ops, bit for bit; stacked seeds' batched matmuls sum in
 # another order (differences seen: 3e-7 in the metrics, 9e-8 in the parameters).
 EXACT = {1: dict(rtol=0, atol=0), 2: dict(rtol=1e-5, atol=1e-6)}
@@ -334,7 +325,7 @@ def test_lean_update_is_the_plain_update(lean, num_seeds):
     (loss.backward, optim.Adam), written out as in dqn.py for each seed on its own column of the
     storage and its own block of the batch: the same numbers, bit for bit for one seed."""
     args, nets, targets, storage, batches = update_case(lean, num_seeds)
-    seed_nets, _, _, update = lean_update(lean, nets, targets, storage, args.gamma, args.learning_rate)
+    seed_nets, _, _, update = dqn_learner(lean, nets, targets, storage, args.gamma, args.learning_rate)
     refs = [(copy.deepcopy(net), copy.deepcopy(target)) for net, target in zip(nets, targets)]
     optimizers = [torch.optim.Adam(q_ref.parameters(), lr=args.learning_rate) for q_ref, _ in refs]
     for idx in batches:
@@ -355,8 +346,8 @@ def test_compiled_update_matches_eager(lean, num_seeds):
     the same 5 batches. Tolerance: float32, and the compiled graph fuses and reorders the
     reductions; differences seen were at most 1e-6 in the loss and 1e-7 in the parameters."""
     args, nets, targets, storage, batches = update_case(lean, num_seeds)
-    eager_nets, eager_params, eager_targets, eager = lean_update(lean, nets, targets, storage, args.gamma, args.learning_rate)
-    compiled_nets, compiled_params, compiled_targets, compiled = lean_update(
+    eager_nets, eager_params, eager_targets, eager = dqn_learner(lean, nets, targets, storage, args.gamma, args.learning_rate)
+    compiled_nets, compiled_params, compiled_targets, compiled = dqn_learner(
         lean, nets, targets, storage, args.gamma, args.learning_rate
     )
     compiled = torch.compile(compiled, options={"guard_filter_fn": leanrl_utils.speed.value_guards, "cpp_wrapper": True})
@@ -379,8 +370,8 @@ def test_update_compiled_again_with_another_gamma_compiles_anew(lean):
     `value_guards` (torch.compiler.keep_tensor_guards_unsafe would reuse the first)."""
     args, nets, targets, storage, batches = update_case(lean, 1)
     for gamma in (0.99, 0.5):
-        *_, eager = lean_update(lean, nets, targets, storage, gamma, args.learning_rate)
-        *_, compiled = lean_update(lean, nets, targets, storage, gamma, args.learning_rate)
+        *_, eager = dqn_learner(lean, nets, targets, storage, gamma, args.learning_rate)
+        *_, compiled = dqn_learner(lean, nets, targets, storage, gamma, args.learning_rate)
         compiled = torch.compile(compiled, options={"guard_filter_fn": leanrl_utils.speed.value_guards, "cpp_wrapper": True})
         torch.testing.assert_close(compiled(batches[0]), eager(batches[0]), rtol=1e-5, atol=1e-5, msg=f"gamma {gamma}")
 

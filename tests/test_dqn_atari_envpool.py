@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 from conftest import (
     assert_dqn_step_is_the_plain_step,
+    dqn_learner,
     main_in_process,
 )
 
@@ -191,14 +192,6 @@ def update_case(lean, num_seeds, num_envs=2, rows=40):
     return nets, targets, storage, batches
 
 
-def lean_update(lean, nets, targets, storage, gamma=0.99, learning_rate=1e-4):
-    nets, targets = copy.deepcopy(nets), copy.deepcopy(targets)
-    params, target_params = leanrl_utils.seeds.stack(nets), leanrl_utils.seeds.stack(targets)
-    optimizer = leanrl_utils.optimizers.Adam(params.items(), learning_rate)
-    update = lean.make_update(nets[0], dict(target_params.items()), optimizer, storage, gamma, len(nets))
-    return nets, update
-
-
 # One seed runs the module's own ops: bit for bit; stacked seeds run vmapped (grouped) convolutions.
 EXACT = {1: dict(rtol=0, atol=0), 2: dict(rtol=1e-5, atol=1e-6)}
 
@@ -209,7 +202,7 @@ def test_lean_update_is_the_plain_update(plain, lean, num_seeds):
     the plain script's step written out as in dqn_atari_envpool.py (its buffer's stacks,
     loss.backward, optim.Adam), per seed on its own columns: bit for bit for one seed."""
     nets, targets, storage, batches = update_case(lean, num_seeds)
-    seed_nets, update = lean_update(lean, nets, targets, storage)
+    seed_nets, *_, update = dqn_learner(lean, nets, targets, storage, learning_rate=1e-4)
     refs = [(copy.deepcopy(net), copy.deepcopy(target)) for net, target in zip(nets, targets)]
     optimizers = [torch.optim.Adam(q.parameters(), lr=1e-4) for q, _ in refs]
     rb = plain.ReplayBuffer(40 * num_seeds * 2, num_seeds * 2)  # the plain buffer's stacks over the same storage
@@ -235,8 +228,8 @@ def test_compiled_update_matches_eager(lean):
     """Compiled against eager on the same batches (rtol and atol 1e-5: Adam turns reordered sums into
     up to 3e-6 in 5 of 1.7M weights where a gradient is near zero; metrics within 5e-7)."""
     nets, targets, storage, batches = update_case(lean, 1)
-    eager_nets, eager = lean_update(lean, nets, targets, storage)
-    compiled_nets, compiled = lean_update(lean, nets, targets, storage)
+    eager_nets, *_, eager = dqn_learner(lean, nets, targets, storage, learning_rate=1e-4)
+    compiled_nets, *_, compiled = dqn_learner(lean, nets, targets, storage, learning_rate=1e-4)
     compiled = torch.compile(compiled, options={"guard_filter_fn": leanrl_utils.speed.value_guards, "cpp_wrapper": True})
     for idx in batches:
         torch.testing.assert_close(compiled(idx), eager(idx), rtol=1e-5, atol=1e-5)

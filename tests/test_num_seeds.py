@@ -14,6 +14,7 @@ from conftest import (
     TINY,
     assert_bad_input,
     assert_one_line_error,
+    dqn_learner,
     family,
     load_script,
     main_in_process,
@@ -75,18 +76,8 @@ def dqn_case(lean, change=None):
 
 
 def dqn_stacked(lean, nets, targets, storages):
-    """The script's --num-seeds set-up over copies of `nets`, `targets` and `storages`: stacked
-    parameters, one Adam, the storage as [buffer_size, seeds, ...], the seeds' update."""
-    nets = copy.deepcopy(nets)
-    params, target_params = leanrl_utils.seeds.stack(nets), leanrl_utils.seeds.stack(copy.deepcopy(targets))
-    storage = {key: torch.stack([s[key] for s in storages], dim=1) for key in storages[0]}
-    optimizer = leanrl_utils.optimizers.Adam(params.items(), 2.5e-4)
-    return (
-        nets,
-        params,
-        target_params,
-        lean.make_update(nets[0], dict(target_params.items()), optimizer, storage, 0.99, len(nets)),
-    )
+    """The script's --num-seeds set-up (`dqn_learner`), the storage as [buffer_size, seeds, ...]."""
+    return dqn_learner(lean, nets, targets, {key: torch.stack([s[key] for s in storages], dim=1) for key in storages[0]})
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
