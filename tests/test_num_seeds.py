@@ -467,22 +467,25 @@ def assert_rows_hold_their_seeds_sub_envs(batch, observations, actions, num_step
     assert not torch.equal(obs[0], obs[1])
 
 
-def test_ppo_atari_each_seed_learns_from_its_own_sub_envs(atari, tmp_path, monkeypatch):
-    """With 2 seeds of 2 envs, row k of the update's first batch holds sub-envs 2k and 2k + 1,
-    step by step: their frames and the actions taken in them."""
-    frames, actions, batches = record_rollouts(atari, leanrl_utils.vector.RecordEpisodeStatistics, "make_update", monkeypatch)
-    assert main_in_process(atari, "--num-seeds", 2, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
-    assert batches[0][0].shape == (2, 32, 4, 84, 84) and batches[0][1].shape == (2, 32)
-    assert_rows_hold_their_seeds_sub_envs(batches[0], frames, actions, num_steps=16)
+# Per script: its fixture, the env class whose steps are recorded, the first batch's shape, the steps per rollout.
+OWN_SUB_ENVS = {
+    "pqn": ("pqn", "SameStepEnvs", (2, 128, 4), 64),
+    "ppo-atari": ("atari", "RecordEpisodeStatistics", (2, 32, 4, 84, 84), 16),
+}
 
 
-def test_pqn_each_seed_learns_from_its_own_sub_envs(pqn, tmp_path, monkeypatch):
-    """With 2 seeds of 2 envs, row k of the update's first batch holds sub-envs 2k and 2k + 1,
-    step by step: their observations and the actions taken in them."""
-    observations, actions, batches = record_rollouts(pqn, pqn.vector.SameStepEnvs, "make_update", monkeypatch)
-    assert main_in_process(pqn, "--num-seeds", 2, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
-    assert batches[0][0].shape == (2, 128, 4) and batches[0][1].shape == (2, 128)
-    assert_rows_hold_their_seeds_sub_envs(batches[0], observations, actions, num_steps=64)
+@pytest.mark.parametrize("script", OWN_SUB_ENVS)
+def test_each_seed_learns_from_its_own_sub_envs(script, request, tmp_path, monkeypatch):
+    """With 2 seeds of 2 envs, row k of the update's first batch holds sub-envs 2k and 2k + 1, step by step:
+    their observations and the actions taken in them."""
+    fixture, env_class, shape, num_steps = OWN_SUB_ENVS[script]
+    module = request.getfixturevalue(fixture)
+    observations, actions, batches = record_rollouts(
+        module, getattr(leanrl_utils.vector, env_class), "make_update", monkeypatch
+    )
+    assert main_in_process(module, "--num-seeds", 2, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
+    assert batches[0][0].shape == shape and batches[0][1].shape == shape[:2]
+    assert_rows_hold_their_seeds_sub_envs(batches[0], observations, actions, num_steps=num_steps)
 
 
 def test_pqn_seed_k_starts_as_a_single_run_of_seed_k(pqn, tmp_path, monkeypatch):
