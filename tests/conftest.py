@@ -2,6 +2,7 @@
 import a script as a module (for the numerics tests), list scripts by glob, and run a plain
 script and its lean twin in this process on the same random draws (the whole-run tests)."""
 
+import copy
 import importlib.util
 import json
 import os
@@ -283,6 +284,16 @@ def assert_dqn_step_is_the_plain_step(metrics, nets, optimizer, batch, gamma, se
     torch.testing.assert_close(metrics[1], old_val.mean().detach(), **tolerance)
     for name, value in q_ref.state_dict().items():
         torch.testing.assert_close(seed_net.state_dict()[name], value, **tolerance, msg=f"{msg}{name}")
+
+
+def dqn_learner(lean, nets, targets, storage, gamma=0.99, learning_rate=2.5e-4):
+    """A lean DQN script's set-up over copies of `nets` and `targets` (one seed: a stack of one): stacked
+    parameters, one functional Adam, the update over `storage`; returns (nets, params, target_params, update)."""
+    nets, targets = copy.deepcopy(nets), copy.deepcopy(targets)
+    params, target_params = leanrl_utils.seeds.stack(nets), leanrl_utils.seeds.stack(targets)
+    optimizer = leanrl_utils.optimizers.Adam(params.items(), learning_rate)
+    update = lean.make_update(nets[0], dict(target_params.items()), optimizer, storage, gamma, len(nets))
+    return nets, params, target_params, update
 
 
 def build_plain_targets_too(lean, monkeypatch, targets):

@@ -1,7 +1,5 @@
-"""DQN pair: the epsilon schedule and how the loops follow it, the replay buffer and the
-autoreset handling, the policy and every form of the network derived from the module (also once
-the module is changed), the update for one seed and stacked seeds (lean against plain math,
-compiled against eager), bad input, and learning on CartPole."""
+"""DQN pair: how the loops follow the epsilon schedule, the replay buffer across autoresets, every form of the
+network derived from the module (also changed), the update (lean against plain, compiled against eager), learning."""
 
 import copy
 
@@ -10,13 +8,10 @@ import pytest
 import torch
 import torch.nn as nn
 from conftest import (
-    NumpyDrawingAsLean,
     assert_dqn_step_is_the_plain_step,
-    assert_one_line_error,
-    assert_same_run,
+    dqn_learner,
     main_in_process,
     pair,
-    recorded_runs,
     run_script,
     short_env,
 )
@@ -26,19 +21,6 @@ import leanrl_utils
 
 FAMILY = "dqn"
 PLAIN_PATH, LEAN_PATH = BOTH = pair(FAMILY)
-
-
-def test_epsilon_schedule_end_points_and_middle_in_both_scripts(plain, lean):
-    """CleanRL's defaults: 1.0 to 0.05 over half of 500k steps, then flat."""
-    duration = 0.5 * 500_000
-    expected = {0: 1.0, 62_500: 0.7625, 125_000: 0.525, 250_000: 0.05, 400_000: 0.05, 500_000: 0.05}
-    for t, value in expected.items():
-        a = plain.linear_schedule(1.0, 0.05, duration, t)
-        b = lean.linear_schedule(1.0, 0.05, duration, t)
-        assert a == b, (t, a, b)
-        assert a == pytest.approx(value, abs=1e-12), (t, a)
-    # No division by zero when there is no exploration phase.
-    assert plain.linear_schedule(1.0, 0.05, 0, 0) == lean.linear_schedule(1.0, 0.05, 0, 0) == 0.05
 
 
 def run_in_process(module, monkeypatch, tmp_path, **kwargs):
@@ -332,16 +314,6 @@ def update_case(lean, num_seeds, batch_size=32, buffer_size=500):
     return args, nets, targets, storage, batches
 
 
-def lean_update(lean, nets, targets, storage, gamma, learning_rate):
-    """main's set-up over copies of `nets` and `targets`: stacked parameters (one seed is a stack
-    of one), one functional Adam, the update."""
-    nets, targets = copy.deepcopy(nets), copy.deepcopy(targets)
-    params, target_params = leanrl_utils.seeds.stack(nets), leanrl_utils.seeds.stack(targets)
-    optimizer = leanrl_utils.optimizers.Adam(params.items(), learning_rate)
-    update = lean.make_update(nets[0], dict(target_params.items()), optimizer, storage, gamma, len(nets))
-    return nets, params, target_params, update
-
-
 # One seed computes with the module's own ops, bit for bit; stacked seeds' batched matmuls sum in
 # another order (differences seen: 3e-7 in the metrics, 9e-8 in the parameters).
 EXACT = {1: dict(rtol=0, atol=0), 2: dict(rtol=1e-5, atol=1e-6)}
@@ -353,7 +325,7 @@ def test_lean_update_is_the_plain_update(lean, num_seeds):
     (loss.backward, optim.Adam), written out as in dqn.py for each seed on its own column of the
     storage and its own block of the batch: the same numbers, bit for bit for one seed."""
     args, nets, targets, storage, batches = update_case(lean, num_seeds)
-    seed_nets, _, _, update = lean_update(lean, nets, targets, storage, args.gamma, args.learning_rate)
+    seed_nets, _, _, update = dqn_learner(lean, nets, targets, storage, args.gamma, args.learning_rate)
     refs = [(copy.deepcopy(net), copy.deepcopy(target)) for net, target in zip(nets, targets)]
     optimizers = [torch.optim.Adam(q_ref.parameters(), lr=args.learning_rate) for q_ref, _ in refs]
     for idx in batches:
@@ -374,8 +346,8 @@ def test_compiled_update_matches_eager(lean, num_seeds):
     the same 5 batches. Tolerance: float32, and the compiled graph fuses and reorders the
     reductions; differences seen were at most 1e-6 in the loss and 1e-7 in the parameters."""
     args, nets, targets, storage, batches = update_case(lean, num_seeds)
-    eager_nets, eager_params, eager_targets, eager = lean_update(lean, nets, targets, storage, args.gamma, args.learning_rate)
-    compiled_nets, compiled_params, compiled_targets, compiled = lean_update(
+    eager_nets, eager_params, eager_targets, eager = dqn_learner(lean, nets, targets, storage, args.gamma, args.learning_rate)
+    compiled_nets, compiled_params, compiled_targets, compiled = dqn_learner(
         lean, nets, targets, storage, args.gamma, args.learning_rate
     )
     compiled = torch.compile(compiled, options={"guard_filter_fn": leanrl_utils.speed.value_guards, "cpp_wrapper": True})
@@ -398,26 +370,10 @@ def test_update_compiled_again_with_another_gamma_compiles_anew(lean):
     `value_guards` (torch.compiler.keep_tensor_guards_unsafe would reuse the first)."""
     args, nets, targets, storage, batches = update_case(lean, 1)
     for gamma in (0.99, 0.5):
-        *_, eager = lean_update(lean, nets, targets, storage, gamma, args.learning_rate)
-        *_, compiled = lean_update(lean, nets, targets, storage, gamma, args.learning_rate)
+        *_, eager = dqn_learner(lean, nets, targets, storage, gamma, args.learning_rate)
+        *_, compiled = dqn_learner(lean, nets, targets, storage, gamma, args.learning_rate)
         compiled = torch.compile(compiled, options={"guard_filter_fn": leanrl_utils.speed.value_guards, "cpp_wrapper": True})
         torch.testing.assert_close(compiled(batches[0]), eager(batches[0]), rtol=1e-5, atol=1e-5, msg=f"gamma {gamma}")
-
-
-def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path):
-    """Given the same random numbers, the two scripts make the same run over 2,000 steps and 300
-    updates (epsilon-greedy actions, stored transitions, minibatches, Adam steps, target copies)."""
-    monkeypatch.chdir(tmp_path)
-    args = dict(total_timesteps=2000, learning_starts=500, train_frequency=5, target_network_frequency=100, batch_size=32)
-    monkeypatch.setattr(plain, "np", NumpyDrawingAsLean(draw_steps=256))
-    plain_run, lean_run = recorded_runs([plain, lean], args, monkeypatch)
-    assert len(lean_run[0]) == 20
-    assert_same_run(plain_run, lean_run, ["losses/td_loss", "losses/q_values", "charts/epsilon"])
-
-
-@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
-def test_continuous_env_is_one_line(path, workdir):
-    assert_one_line_error(run_script(path, "--env-id", "Pendulum-v1", cwd=workdir, check=False)[1], "Pendulum-v1", "discrete")
 
 
 # CleanRL's defaults, with learning from step 1000 and a 30k-step budget (exploration then

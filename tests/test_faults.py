@@ -180,24 +180,21 @@ def malformed(good):
     def with_weight(value):
         return {**model, network: {**weights, name: torch.full_like(weights[name], value)}}
 
+    def checkpoint(**fields):
+        return {"algorithm": algorithm, "env_id": env_id, "model": model, **fields}
+
     return {
         "only_algorithm": ({"algorithm": algorithm}, []),
         "no_model": ({"algorithm": algorithm, "env_id": env_id}, []),
         "no_env_id": ({"algorithm": algorithm, "model": model}, []),
-        "env_id_not_a_string": ({"algorithm": algorithm, "env_id": 5, "model": model}, []),
-        "model_a_list": ({"algorithm": algorithm, "env_id": env_id, "model": [1, 2]}, []),
-        "model_none": ({"algorithm": algorithm, "env_id": env_id, "model": None}, []),
-        "network_a_list": ({"algorithm": algorithm, "env_id": env_id, "model": {**model, network: [1.0]}}, []),
-        "weight_named_by_a_number": (
-            {"algorithm": algorithm, "env_id": env_id, "model": {**model, network: {0: weights[name]}}},
-            [],
-        ),
-        "weight_a_number": (
-            {"algorithm": algorithm, "env_id": env_id, "model": {**model, network: {**weights, name: 1.5}}},
-            [],
-        ),
-        "nan_weights": ({"algorithm": algorithm, "env_id": env_id, "model": with_weight(float("nan"))}, ["non-finite"]),
-        "inf_weights": ({"algorithm": algorithm, "env_id": env_id, "model": with_weight(float("inf"))}, ["non-finite"]),
+        "env_id_not_a_string": (checkpoint(env_id=5), []),
+        "model_a_list": (checkpoint(model=[1, 2]), []),
+        "model_none": (checkpoint(model=None), []),
+        "network_a_list": (checkpoint(model={**model, network: [1.0]}), []),
+        "weight_named_by_a_number": (checkpoint(model={**model, network: {0: weights[name]}}), []),
+        "weight_a_number": (checkpoint(model={**model, network: {**weights, name: 1.5}}), []),
+        "nan_weights": (checkpoint(model=with_weight(float("nan"))), ["non-finite"]),
+        "inf_weights": (checkpoint(model=with_weight(float("inf"))), ["non-finite"]),
         "not_a_dict": ([algorithm, env_id, model], []),
     }
 
@@ -331,17 +328,8 @@ sys.setprofile(profile)
 def test_signal_during_evaluation_still_prints_the_summary(script, signum, workdir):
     summary, _ = run_script(script, *TINY[family(script)], "--save-model", cwd=workdir)
     before = SIGNAL_IN_EVALUATION.format(signum=int(signum))
-    proc = start_long_run(
-        script,
-        workdir,
-        "--total-timesteps",
-        0,
-        "--load-model",
-        summary["checkpoint"],
-        "--eval-episodes",
-        100_000,
-        before=before,
-    )
+    argv = ["--total-timesteps", 0, "--load-model", summary["checkpoint"], "--eval-episodes", 100_000]
+    proc = start_long_run(script, workdir, *argv, before=before)
     summary = stop_and_read(proc, signum, "", send=False)
     assert summary["interrupted"] is True and summary["eval_return"] is None
 

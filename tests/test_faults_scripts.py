@@ -140,14 +140,8 @@ CTRL_C_BEFORE_THE_RUN = {
 @pytest.mark.parametrize("case", CTRL_C_BEFORE_THE_RUN)
 @pytest.mark.parametrize("script", [s for s in ALL if family(s) == "dqn"], ids=lambda s: s.stem)
 def test_ctrl_c_before_the_run_is_one_line_and_130(script, case, tmp_path):
-    proc = subprocess.run(
-        script_command(script, before=CTRL_C_BEFORE_THE_RUN[case]),
-        cwd=tmp_path,
-        env=script_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    command = script_command(script, before=CTRL_C_BEFORE_THE_RUN[case])
+    proc = subprocess.run(command, cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 130, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().splitlines() == ["notice: interrupted before the run started; nothing to save"], proc.stderr

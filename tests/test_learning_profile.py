@@ -58,17 +58,10 @@ def test_bootstrap_interval_holds_zero_only_when_it_should(learning):
 
 def test_table_flags_a_difference(learning):
     results = [
-        {
-            "pair": "dqn",
-            "side": side,
-            "seed": s,
-            "env_id": "CartPole-v1",
-            "total_steps": 1000,
-            "episodic_return": r + (300 if side == "lean" else 0),
-        }
-        for s, r in enumerate([10.0, 20.0, 30.0])
-        for side in ("plain", "lean")
-    ]
+        {"pair": "dqn", "side": side, "seed": s, "env_id": "CartPole-v1", "total_steps": 1000,
+         "episodic_return": r + (300 if side == "lean" else 0)}
+        for s, r in enumerate([10.0, 20.0, 30.0]) for side in ("plain", "lean")
+    ]  # fmt: skip
     info = {"host": "x, 1 cores", "torch": "t", "command": "c", "profile": "quick", "seeds": [0, 1, 2], "wall": "0m01s"}
     row = next(line for line in learning.summarize(results, info).splitlines() if line.startswith("| dqn"))
     assert "20.0 ± 10.0 (n=3)" in row and "320.0 ± 10.0 (n=3)" in row and "+300.0" in row and "**no**" in row
@@ -93,18 +86,10 @@ def test_merge_makes_one_table_from_parts_and_takes_a_redone_run_from_the_last(l
         folder = tmp_path / f"part{part}"
         folder.mkdir()
         rows = [
-            {
-                "pair": "td3_continuous_action",
-                "side": side,
-                "seed": s,
-                "env_id": "HalfCheetah-v5",
-                "total_steps": 1000,
-                "episodic_return": 10.0 * s + (1 if side == "lean" else 0),
-                "curve": [[500, 1.0, 0.0], [1000, 2.0, 10.0 * s]],
-            }
-            for s in seeds
-            for side in ("plain", "lean")
-        ]
+            {"pair": "td3_continuous_action", "side": side, "seed": s, "env_id": "HalfCheetah-v5", "total_steps": 1000,
+             "episodic_return": 10.0 * s + (1 if side == "lean" else 0), "curve": [[500, 1.0, 0.0], [1000, 2.0, 10.0 * s]]}
+            for s in seeds for side in ("plain", "lean")
+        ]  # fmt: skip
         (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         (folder / "table.md").write_text(f"Machine: CPU {part}, 2 cores; torch 2.13.0. Command: ...\n")
         parts.append(str(folder))

@@ -14,6 +14,7 @@ from conftest import (
     TINY,
     assert_bad_input,
     assert_one_line_error,
+    dqn_learner,
     family,
     load_script,
     main_in_process,
@@ -75,18 +76,8 @@ def dqn_case(lean, change=None):
 
 
 def dqn_stacked(lean, nets, targets, storages):
-    """The script's --num-seeds set-up over copies of `nets`, `targets` and `storages`: stacked
-    parameters, one Adam, the storage as [buffer_size, seeds, ...], the seeds' update."""
-    nets = copy.deepcopy(nets)
-    params, target_params = leanrl_utils.seeds.stack(nets), leanrl_utils.seeds.stack(copy.deepcopy(targets))
-    storage = {key: torch.stack([s[key] for s in storages], dim=1) for key in storages[0]}
-    optimizer = leanrl_utils.optimizers.Adam(params.items(), 2.5e-4)
-    return (
-        nets,
-        params,
-        target_params,
-        lean.make_update(nets[0], dict(target_params.items()), optimizer, storage, 0.99, len(nets)),
-    )
+    """The script's --num-seeds set-up (`dqn_learner`), the storage as [buffer_size, seeds, ...]."""
+    return dqn_learner(lean, nets, targets, {key: torch.stack([s[key] for s in storages], dim=1) for key in storages[0]})
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -108,19 +99,6 @@ def test_stacked_update_is_n_single_updates(lean, compiled):
             torch.testing.assert_close(metrics[:, k], single_update(idx[k])[:, 0], rtol=1e-5, atol=1e-6)
             for name, value in net.state_dict().items():
                 torch.testing.assert_close(seed_nets[k].state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=f"{k} {name}")
-
-
-@pytest.mark.parametrize("host", [True, False], ids=["numpy", "torch"])
-def test_stacked_policy_acts_as_each_seeds_network(lean, host):
-    """Sub-env block k acts greedily on seed k's network, in numpy (a CPU) and in torch."""
-    nets = dqn_case(lean)[0]
-    policy = lean.make_policy(nets[0], dict(leanrl_utils.seeds.stack(nets).items()), N, host)
-    if not host:
-        policy = leanrl_utils.acting.host_arrays(policy, torch.device("cpu"))
-    obs = torch.randn(N * 64, N_OBS)
-    with torch.no_grad():
-        expected = torch.cat([net(block).argmax(dim=1) for net, block in zip(nets, obs.view(N, 64, N_OBS))])
-        torch.testing.assert_close(torch.from_numpy(policy(obs.numpy())), expected, rtol=0, atol=0)
 
 
 def test_each_seed_stores_its_own_sub_envs(lean, tmp_path, monkeypatch):
@@ -392,28 +370,6 @@ def test_changing_one_seed_changes_no_other_seed(script, change, request):
     assert_only_seed_one_moved(results, seed_dim=1 if script in PPO_SCRIPTS else 2)
 
 
-@pytest.mark.parametrize("host", [True, False], ids=["numpy", "torch"])
-def test_ppo_stacked_policy_acts_with_each_seeds_agent(request, host):
-    """Sub-env block k gets seed k's value, and a log-probability that is the density of its
-    sampled action under seed k's Gaussian (each seed its own log-std), in numpy and in torch (vmap)."""
-    ppo, agents, _, _ = ppo_case(request, "ppo-continuous")
-    for k, agent in enumerate(agents):
-        agent.actor_logstd.data.fill_(-0.5 * k)
-    params = ppo.seeds.stack(agents)
-    meta = ppo.Agent(N_OBS, N_ACT, device="meta")
-    policy = ppo.make_policy(meta, dict(params.items()), N, host)
-    obs = torch.randn(N * 5, N_OBS)
-    with torch.no_grad():
-        action, logprob, value = policy(obs)
-        assert action.shape == (N * 5, N_ACT) and logprob.shape == value.shape == (N * 5,)
-        for k, (agent, block) in enumerate(zip(agents, obs.view(N, 5, N_OBS))):
-            mean, logstd, expected_value = agent(block)
-            rows = slice(5 * k, 5 * (k + 1))
-            torch.testing.assert_close(value[rows], expected_value)
-            density = torch.distributions.Normal(mean, logstd.exp()).log_prob(action[rows]).sum(1)
-            torch.testing.assert_close(logprob[rows], density)
-
-
 def test_ppo_seed_checkpoint_loads_into_the_single_seed_script(workdir):
     """Seed 6's checkpoint (its agent and its own envs' observation statistics), evaluated by the
     single-seed script as seed 6, gives the return the two-seed run reported for it."""
@@ -428,23 +384,6 @@ def test_ppo_seed_checkpoint_loads_into_the_single_seed_script(workdir):
     argv = "--env-id InvertedPendulum-v5 --total-timesteps 0 --eval-episodes 2 --seed 6".split()
     loaded, _ = run_script(PPO_PATH, *argv, "--load-model", checkpoints[1], cwd=workdir)
     assert loaded["eval_return"] == summary["eval_returns"][1]
-
-
-def test_ppo_atari_stacked_policy_acts_with_each_seeds_agent(request):
-    """Sub-env block k gets seed k's value, and the log-probability of its sampled action under
-    seed k's logits. Tolerance: torch's float32 default (batched convolutions)."""
-    atari, agents, _, _ = ppo_case(request, "ppo-atari")
-    params = atari.seeds.stack(agents)
-    policy = atari.make_policy(atari.Agent(4, device="meta"), dict(params.items()), 2)
-    obs = torch.randint(0, 256, (2 * 3, 4, 84, 84), dtype=torch.uint8)
-    with torch.no_grad():
-        action, logprob, value = policy(obs)
-        assert action.shape == logprob.shape == value.shape == (2 * 3,)
-        for k, (agent, block) in enumerate(zip(agents, obs.view(2, 3, 4, 84, 84))):
-            logits, expected_value = agent(block)
-            rows = slice(3 * k, 3 * (k + 1))
-            torch.testing.assert_close(value[rows], expected_value)
-            torch.testing.assert_close(logprob[rows], logits.log_softmax(1).gather(1, action[rows, None]).squeeze(1))
 
 
 def test_ppo_atari_explained_variance_is_per_seed(atari):
@@ -528,43 +467,25 @@ def assert_rows_hold_their_seeds_sub_envs(batch, observations, actions, num_step
     assert not torch.equal(obs[0], obs[1])
 
 
-def test_ppo_atari_each_seed_learns_from_its_own_sub_envs(atari, tmp_path, monkeypatch):
-    """With 2 seeds of 2 envs, row k of the update's first batch holds sub-envs 2k and 2k + 1,
-    step by step: their frames and the actions taken in them."""
-    frames, actions, batches = record_rollouts(atari, leanrl_utils.vector.RecordEpisodeStatistics, "make_update", monkeypatch)
-    assert main_in_process(atari, "--num-seeds", 2, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
-    assert batches[0][0].shape == (2, 32, 4, 84, 84) and batches[0][1].shape == (2, 32)
-    assert_rows_hold_their_seeds_sub_envs(batches[0], frames, actions, num_steps=16)
+# Per script: its fixture, the env class whose steps are recorded, the first batch's shape, the steps per rollout.
+OWN_SUB_ENVS = {
+    "pqn": ("pqn", "SameStepEnvs", (2, 128, 4), 64),
+    "ppo-atari": ("atari", "RecordEpisodeStatistics", (2, 32, 4, 84, 84), 16),
+}
 
 
-@pytest.mark.parametrize("host", [True, False], ids=["numpy", "torch"])
-def test_pqn_stacked_policy_acts_as_each_seeds_network(pqn, host):
-    """Sub-env block k gets seed k's network's greedy action and max Q, in numpy (a CPU) and in
-    torch. Tolerance: torch's float32 default (batched matmuls, LayerNorm's statistics as
-    matmuls in numpy, its scale and shift applied apart)."""
-    nets = pqn_updates(pqn)[1]
-    for net in nets:  # each seed its own LayerNorm scale and shift
-        for norm in (net.network[1], net.network[4]):
-            norm.weight.data.uniform_(0.5, 1.5)
-            norm.bias.data.normal_()
-    policy = pqn.make_policy(nets[0], dict(pqn.seeds.stack(nets).items()), N, host)
-    if not host:
-        policy = pqn.acting.host_arrays(policy, torch.device("cpu"))
-    obs = torch.randn(N * 64, N_OBS)
-    with torch.no_grad():
-        greedy, value = (torch.from_numpy(x) for x in policy(obs.numpy()))
-        q = torch.cat([net(block) for net, block in zip(nets, obs.view(N, 64, N_OBS))])
-    torch.testing.assert_close(value, q.max(dim=1).values)
-    torch.testing.assert_close(greedy, q.argmax(dim=1), rtol=0, atol=0)
-
-
-def test_pqn_each_seed_learns_from_its_own_sub_envs(pqn, tmp_path, monkeypatch):
-    """With 2 seeds of 2 envs, row k of the update's first batch holds sub-envs 2k and 2k + 1,
-    step by step: their observations and the actions taken in them."""
-    observations, actions, batches = record_rollouts(pqn, pqn.vector.SameStepEnvs, "make_update", monkeypatch)
-    assert main_in_process(pqn, "--num-seeds", 2, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
-    assert batches[0][0].shape == (2, 128, 4) and batches[0][1].shape == (2, 128)
-    assert_rows_hold_their_seeds_sub_envs(batches[0], observations, actions, num_steps=64)
+@pytest.mark.parametrize("script", OWN_SUB_ENVS)
+def test_each_seed_learns_from_its_own_sub_envs(script, request, tmp_path, monkeypatch):
+    """With 2 seeds of 2 envs, row k of the update's first batch holds sub-envs 2k and 2k + 1, step by step:
+    their observations and the actions taken in them."""
+    fixture, env_class, shape, num_steps = OWN_SUB_ENVS[script]
+    module = request.getfixturevalue(fixture)
+    observations, actions, batches = record_rollouts(
+        module, getattr(leanrl_utils.vector, env_class), "make_update", monkeypatch
+    )
+    assert main_in_process(module, "--num-seeds", 2, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
+    assert batches[0][0].shape == shape and batches[0][1].shape == shape[:2]
+    assert_rows_hold_their_seeds_sub_envs(batches[0], observations, actions, num_steps=num_steps)
 
 
 def test_pqn_seed_k_starts_as_a_single_run_of_seed_k(pqn, tmp_path, monkeypatch):

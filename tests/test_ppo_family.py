@@ -1,8 +1,6 @@
-"""Both gym PPO pairs (discrete CartPole and continuous MuJoCo), one test each: the lean update against
-the plain update's math, compiled against eager, a stack of one seed against one agent, GAE against the
-reference loop, --target-kl, a layer numpy cannot follow, the whole run on the same random draws,
-determinism, bad input and learning. Each pair's own behaviours are in test_ppo.py and
-test_ppo_continuous_action.py."""
+"""Both gym PPO pairs, one test each: the update (lean against plain, compiled against eager, a stack of one),
+GAE, --target-kl, a layer numpy cannot follow, determinism and learning. Each pair's own behaviours are in
+test_ppo.py and test_ppo_continuous_action.py; what every pair shares, in test_pairs.py."""
 
 import copy
 import csv
@@ -15,17 +13,12 @@ import torch
 import torch.nn as nn
 from conftest import (
     TINY,
-    assert_bad_input,
-    assert_same_run,
     family,
     is_lean,
     load_script,
     pair,
-    recorded_runs,
     refused_in_process,
     run_script,
-    short_env,
-    shuffle_as_lean,
     stack_of_one,
     unstacked,
 )
@@ -367,24 +360,6 @@ def test_target_kl_stops_after_the_epoch_whose_last_minibatch_exceeds_it(path, m
     assert all(kl > TARGET_KL for _, kl in logged)  # the logged approx_kl is the last minibatch's
 
 
-def test_same_random_draws_make_the_same_run(fam, monkeypatch, tmp_path):
-    """Given the same random numbers, the two scripts make the same run: envs and seeds (terminations
-    and truncations on 2 envs cut at 20 steps), initial weights, actions, (normalization,) GAE,
-    lr annealing, minibatch order, losses and Adam steps, for 4 iterations of 4 minibatch updates.
-    They differ only in how they draw (the plain script is made to draw as the lean one) and in float
-    rounding (metrics rel 1e-5, weights rtol 1e-4, atol 1e-6)."""
-    plain, lean = fam.plain, fam.lean
-    monkeypatch.chdir(tmp_path)
-    unused_draw = fam.draws(plain, np.random.default_rng(1), monkeypatch)  # what the lean policy seeds with --seed 1
-    monkeypatch.setattr(plain.np.random, "shuffle", shuffle_as_lean)
-    get_value = plain.Agent.get_value
-    monkeypatch.setattr(plain.Agent, "get_value", lambda self, x: (unused_draw(self, x), get_value(self, x))[1])
-    args = dict(env_id=short_env(fam.env_id, 20), num_envs=2, num_steps=64, total_timesteps=512, num_minibatches=2)
-    plain_run, lean_run = recorded_runs([plain, lean], dict(args, update_epochs=2), monkeypatch)
-    assert len(lean_run[0]) == 4
-    assert_same_run(plain_run, lean_run, [*lean.METRICS, "charts/learning_rate", "losses/explained_variance"])
-
-
 @pytest.mark.parametrize("path", PATHS, ids=lambda p: p.stem)
 def test_same_seed_same_run(path, workdir):
     """Two runs of one seed: the same summary (but its timings) and learning curve (but its wall clock)."""
@@ -415,28 +390,3 @@ def test_learns(path, workdir):
     extra = ["--compile"] if is_lean(path) else []
     summary, _ = run_script(path, *argv, "--seed", "1", *extra, cwd=workdir, timeout=900)
     assert summary["episodic_return"] >= threshold, summary
-
-
-# Per family: the wrong kind of env, and the batch rules (a batch of 128 in CartPole, 64 in MuJoCo).
-BAD_INPUT = {
-    "ppo": {
-        "box-env": (["--env-id", "Pendulum-v1"], ["Box", "discrete"]),
-        "minibatches": (["--num-minibatches", "7"], ["--num-minibatches", "divide"]),
-        "below-one-batch": (["--total-timesteps", "127"], ["--total-timesteps", "one batch", "128"]),
-        "minibatch-of-one": (["--num-minibatches", "128"], ["--num-minibatches", "minibatches of 1", "--no-norm-adv"]),
-    },
-    "ppo_continuous_action": {
-        "discrete-env": (["--env-id", "CartPole-v1"], ["Discrete", "continuous"]),
-        "minibatches": (["--num-minibatches", "7"], ["--num-minibatches", "divide"]),
-        "below-one-batch": (["--total-timesteps", "63"], ["--total-timesteps", "one batch", "64"]),
-        "minibatch-of-one": (["--num-minibatches", "64"], ["--num-minibatches", "minibatches of 1", "--no-norm-adv"]),
-    },
-}
-
-
-@pytest.mark.parametrize(
-    "path, case", [(p, c) for p in PATHS for c in BAD_INPUT[family(p)]], ids=lambda v: getattr(v, "stem", v)
-)
-def test_bad_input_is_one_clear_line(path, case, workdir):
-    bad_args, words = BAD_INPUT[family(path)][case]
-    assert_bad_input(path, *TINY[family(path)], *bad_args, words=words, cwd=workdir)

@@ -1,8 +1,5 @@
-"""PQN on Atari (envpool): the Q(lambda) returns against a plain reference loop with envpool's
-reset steps, the lean update against the plain script's step and compiled against eager, the
-masking of reset steps, the epsilon schedule, the two scripts' whole runs given the same
-random draws, a changed network (the lean script's forms of it follow the module), and the
-bad-input lines. No learning test: Breakout needs hours here (the CartPole pair has one)."""
+"""PQN on Atari (envpool): Q(lambda) returns under envpool's autoreset, the update (lean against plain,
+compiled against eager, reset steps masked), a changed network. No learning test (hours)."""
 
 import copy
 import glob
@@ -12,14 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from conftest import (
-    TorchDrawingAsLean,
-    assert_same_run,
-    atari_batch,
-    main_in_process,
-    recorded_runs,
-    shuffle_as_lean,
-)
+from conftest import atari_batch, main_in_process
 
 import leanrl_utils
 
@@ -64,15 +54,6 @@ def test_returns_match_the_reference_loop(lean):
     torch.testing.assert_close(returns.double(), torch.from_numpy(expected), rtol=0, atol=1e-5)
     assert returns[4, 0] == rewards[4, 0]
     torch.testing.assert_close(returns[9, 1], rewards[9, 1] + 0.99 * values[10, 1])
-
-
-def test_epsilon_schedule_end_points_in_both_scripts(plain, lean):
-    """CleanRL's Atari defaults: 1.0 to 0.01 over 10% of 10M steps, then flat."""
-    for t, value in {0: 1.0, 500_000: 0.505, 1_000_000: 0.01, 10_000_000: 0.01}.items():
-        assert plain.linear_schedule(1.0, 0.01, 1_000_000, t) == pytest.approx(value, abs=1e-12)
-        assert lean.linear_schedule(1.0, 0.01, 1_000_000, t) == pytest.approx(value, abs=1e-12)
-    assert plain.Args().end_e == lean.Args().end_e == 0.01
-    assert plain.Args().exploration_fraction == lean.Args().exploration_fraction == 0.1
 
 
 def make_batch(n, seed=0):
@@ -254,16 +235,3 @@ def test_a_changed_network_trains_and_saves(lean, monkeypatch, tmp_path, capsys)
     saved = torch.load(path, weights_only=True)["model"]["q_network"]
     assert saved["network.0.weight"].shape == (16, 4, 8, 8) and saved["network.10.weight"].shape == (64, 128)
     assert all(v.isfinite().all() for v in saved.values())
-
-
-def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path):
-    """Given the same random numbers, the two scripts make the same run for 4 iterations of 8
-    minibatch updates (reset steps, Q(lambda) returns, lr annealing, RAdam); RAdam turns rounding into
-    up to 2% of a step (5e-6) in 2 of the 1.6M weights of the first linear layer."""
-    monkeypatch.chdir(tmp_path)
-    args = dict(env_id="Breakout-v5", num_envs=4, num_steps=64, total_timesteps=1024, num_minibatches=4, update_epochs=2)
-    monkeypatch.setattr(plain, "torch", TorchDrawingAsLean(args["num_steps"]))
-    monkeypatch.setattr(plain.np.random, "shuffle", shuffle_as_lean)
-    plain_run, lean_run = recorded_runs([plain, lean], args, monkeypatch)
-    assert len(lean_run[0]) == 4
-    assert_same_run(plain_run, lean_run, [*lean.METRICS, "charts/learning_rate", "charts/epsilon"], weights_atol=1e-5)

@@ -70,13 +70,8 @@ leanrl_utils.Run.log = reported_log
 def test_sigkill_loses_no_logged_point(script, tmp_path):
     """curve.csv is flushed at each log point: after SIGKILL it holds every point logged."""
     argv = tiny(script, total_timesteps=10_000_000)
-    proc = subprocess.Popen(
-        [*script_command(script, before=LOG_POINTS), *argv],
-        cwd=tmp_path,
-        env=script_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
+    command = [*script_command(script, before=LOG_POINTS), *argv]
+    proc = subprocess.Popen(command, cwd=tmp_path, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     seen, deadline = "", time.time() + 180
     while len(re.findall(r"logged \d+\n", seen)) < 20 and time.time() < deadline and proc.poll() is None:
         seen += os.read(proc.stderr.fileno(), 4096).decode(errors="replace")
@@ -199,12 +194,8 @@ def test_signals_during_the_final_save_are_recorded(signums, tmp_path):
     before = SIGNALS_IN_SAVE.format(signums=[int(s) for s in signums])
     proc = subprocess.run(
         [*script_command(DQN, before=before), *tiny(DQN, "--save-model", "--eval-episodes", "20")],
-        cwd=tmp_path,
-        env=script_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+        cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
     assert proc.returncode == 128 + signums[0], (proc.returncode, proc.stderr)
     assert "Traceback" not in proc.stderr, proc.stderr
     summary = last_summary(proc.stdout)
