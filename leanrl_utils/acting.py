@@ -91,7 +91,16 @@ def numpy_forward(module, params, prefix=""):
     and tensor methods as numpy's. For a few rows a numpy op costs under a microsecond and a torch
     op several. Never a silent mismatch: a layer or op it has no form for ends the run in one line,
     and the derived forward is checked against the module on a probe."""
-    name = type(module).__name__
+    name, forms = type(module).__name__, {}
+    for leaf, layer in module.named_modules():  # first the layers: a missing form is named
+        if leaf and next(layer.children(), None) is None:
+            forms[leaf] = numpy_layer(layer, prefix + leaf, params)
+            if forms[leaf] is None:
+                known = "Linear, LayerNorm, ReLU, Tanh, Sigmoid, SiLU, ELU, LeakyReLU"
+                kind = f"{prefix + leaf} ({type(layer).__name__}) of {name}"
+                fail(
+                    f"numpy acting cannot follow layer {kind}: use {known}, or give it a numpy form in leanrl_utils/acting.py"
+                )
     try:
         graph = torch.fx.symbolic_trace(module).graph
     except Exception as e:  # fx raises many types for control flow on values
@@ -120,14 +129,7 @@ def numpy_forward(module, params, prefix=""):
             break
         copy = False
         if node.op == "call_module":
-            layer = module.get_submodule(node.target)
-            fn = numpy_layer(layer, prefix + node.target, params)
-            if fn is None:
-                known = "Linear, LayerNorm, ReLU, Tanh, Sigmoid, SiLU, ELU, LeakyReLU"
-                kind = f"{prefix + node.target} ({type(layer).__name__}) of {name}"
-                fail(
-                    f"numpy acting cannot follow layer {kind}: use {known}, or give it a numpy form in leanrl_utils/acting.py"
-                )
+            layer, fn = module.get_submodule(node.target), forms[node.target]
             # A layer that writes its input gets a copy where that input is the caller's or used again.
             source = node.args[0]
             copy = isinstance(layer, IN_PLACE) and (source.op in ("placeholder", "get_attr") or len(source.users) > 1)

@@ -76,6 +76,7 @@ def read(args, script, argv=None):
         saved_args, saved_script, done = checkpoint["args"], checkpoint["script"], checkpoint["loop"]["__tuple__"][0]
         assert isinstance(saved_args, dict) and isinstance(done, int) and isinstance(checkpoint["finished"], bool)
         assert all(isinstance(checkpoint[k], dict) for k in ("objects", "loop", "random"))
+        assert isinstance(checkpoint["seeds"], list) and all(isinstance(s, dict) for s in checkpoint["seeds"])
     except Exception as e:  # torch.load raises many types for a file that is no checkpoint; a field can be missing
         fail(f"{where}: cannot read its checkpoint ({type(e).__name__}); it is corrupt or not one: start anew")
     name = os.path.basename(script)

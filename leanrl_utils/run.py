@@ -47,7 +47,7 @@ class Run:
         self.warm_time, self.warm_step = self.start, 0
         self.curve = self.writer = self.wandb = self.bar = self.warmup_s = self.last_sps = self.last_good = None
         self.stop_reason = self.save_error = self.resume_error = self.stop_signal = self.iteration = self.loop = None
-        self.objects, self.eval_return, self.due = {}, None, time.perf_counter()
+        self.objects, self.eval_return, self.due, self.ran = {}, None, time.perf_counter(), 0
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         if args.track and self.rank0 and importlib.util.find_spec("wandb") is None:
             fail("--track needs wandb: pip install wandb (or the extra leanrl[track])")
@@ -162,6 +162,7 @@ class Run:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             stop = bool(flag)  # note: a host sync, once per iteration
             self.stop_signal = self.stop_signal or (signal.SIGTERM if stop else None)
+        self.ran += not stop  # the iterations this process ran
         every = getattr(self.args, "checkpoint_every", 0)
         if stop or (every and time.perf_counter() - self.due >= every):
             resume.save(self, iteration, finished=False)

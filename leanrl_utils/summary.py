@@ -54,8 +54,8 @@ def finish(run, step, updates, networks, evaluate, fields):
     if lead.stop_signal and run.rank0 and run is lead:
         print(f"notice: interrupted at step {run.step}; saving what there is", file=sys.stderr)
     checkpoint, state = None, run.last_good
-    # An interrupted run that no update has changed has nothing to save.
-    if run.args.save_model and run.rank0 and networks and not (lead.stop_signal and run.updates == 0):
+    # A run stopped before its loop ran an iteration has no weights of its own to save.
+    if run.args.save_model and run.rank0 and networks and not (lead.stop_signal and not lead.ran):
         current = {name: net.state_dict() for name, net in networks.items()}
         if run.stop_reason is None and checkpoints.finite(current):
             state = current

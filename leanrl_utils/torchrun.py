@@ -96,7 +96,7 @@ def leave(run, params, world_size, lost):
     import torch.distributed as dist
 
     fields = {}
-    if not run.interrupted and not lost:
+    if not run.stop_signal and not lost:
         flat = torch.cat([p.detach().reshape(-1) for p in params]).double()
         # A position-weighted sum: a change in any one parameter, or two swapped, changes it.
         checksum = (flat * torch.arange(1, flat.numel() + 1, device=flat.device, dtype=flat.dtype)).sum().reshape(1)
