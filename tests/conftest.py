@@ -404,6 +404,20 @@ TINY = {
         "--update-epochs",
         "2",
     ],
+    # Torch-native CartPole: 2 envs, 64 steps (8 rollout calls of the lean script's default
+    # --unroll 8): 4 iterations of 4 minibatch updates, a log point after each.
+    "pqn_torchenv": [
+        "--total-timesteps",
+        "512",
+        "--num-envs",
+        "2",
+        "--num-steps",
+        "64",
+        "--num-minibatches",
+        "2",
+        "--update-epochs",
+        "2",
+    ],
     # Atari: 2 envs, 16 steps, 2 iterations (4 minibatch updates each).
     "pqn_atari_envpool": [
         "--env-id",
