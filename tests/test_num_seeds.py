@@ -575,6 +575,7 @@ def test_ppo_changing_one_seed_changes_no_other_seed(script, change, request):
 # ---------------------------------------------------------------- PQN
 
 PQN_PATH = scripts("pqn_torchcompile.py")[0]
+PQN_TORCHENV_PATH = scripts("pqn_torchenv_torchcompile.py")[0]
 DISCRETE_PATH = scripts("ppo_torchcompile.py")[0]
 Q_BATCH, Q_MINIBATCH, Q_CLIP = 64, 16, 20.0  # --max-grad-norm: between the case's gradient norms
 
@@ -761,6 +762,7 @@ def test_pqn_a_diverged_seed_stops_the_run_with_finite_checkpoints(workdir):
 TWO_SEEDS = {
     "dqn": (PATH, [], 400, None),
     "pqn": (PQN_PATH, [], 512, 16),
+    "pqn-torchenv": (PQN_TORCHENV_PATH, [], 512, 16),
     "ppo": (PPO_PATH, [], 256, 16),
     "ppo-discrete": (DISCRETE_PATH, [], 512, 16),
     "ppo-atari": (ATARI_PATH, ["--total-timesteps", 1024, "--num-steps", 32], 1024, 64),
@@ -798,6 +800,7 @@ def test_two_seeds_run_with_a_folder_each(script, mode, workdir):
 SEED_CHECKPOINTS = {
     "dqn": (PATH, "q_network", "network.0.weight", (120, 4), 1),
     "pqn": (PQN_PATH, "q_network", "network.0.weight", (120, 4), 2),
+    "pqn-torchenv": (PQN_TORCHENV_PATH, "q_network", "network.0.weight", (120, 4), 2),
     "ppo-atari": (ATARI_PATH, "agent", "network.0.weight", (32, 4, 8, 8), 1),
     "ppo-discrete": (DISCRETE_PATH, "agent", "actor.0.weight", (64, 4), 2),
 }
@@ -834,6 +837,7 @@ BAD = {
     "pqn-zero": (PQN_PATH, ["--num-seeds", 0], ["--num-seeds", "1 or more"]),
     "pqn-seed-overflow": (PQN_PATH, ["--num-seeds", 2, "--seed", 2**32 - 1], ["--num-seeds 2", "2**31"]),
     "pqn-no-memory": (PQN_PATH, ["--num-seeds", 10**6], ["--num-seeds 1000000", "GiB"]),
+    "pqn-torchenv-no-memory": (PQN_TORCHENV_PATH, ["--num-seeds", 10**6], ["--num-seeds 1000000", "GiB"]),
     "ppo-target-kl": (PPO_PATH, ["--num-seeds", 2, "--target-kl", 0.01], ["--target-kl", "--num-seeds 1"]),
     "ppo-no-memory": (PPO_PATH, ["--num-seeds", 10**6], ["--num-seeds 1000000", "GiB"]),
     "ppo-discrete-target-kl": (DISCRETE_PATH, ["--num-seeds", 2, "--target-kl", 0.01], ["--target-kl", "--num-seeds 1"]),
@@ -867,6 +871,7 @@ LEARNS = {
     # PQN: CleanRL's full budget; 200 (a random policy gets about 22) and not the single-seed
     # test's 475: of 180 single lean runs (benchmark/learning), 21 end below 475 and 2 below 200.
     "pqn-cartpole": (PQN_PATH, ["--seed", 1, "--compile"], 499_712, 200.0),
+    "pqn-torchenv-cartpole": (PQN_TORCHENV_PATH, ["--seed", 1, "--compile"], 499_712, 200.0),
 }
 
 
