@@ -258,10 +258,12 @@ def draw_exploration(epsilons, shape, n_act):
 
 
 def linear_schedule(start_e, end_e, duration, t):
-    """Epsilon at steps t (a float64 tensor): from start_e to end_e linearly over `duration` steps, then flat."""
+    """Epsilon at step t, a number or a float64 tensor of steps (elementwise, as the plain script's
+    Python floats): from start_e to end_e linearly over `duration` steps, then flat."""
     if duration <= 0:
-        return torch.full_like(t, end_e)
-    return start_e + (end_e - start_e) * (t / duration).clamp(max=1.0)
+        return end_e + 0 * t
+    fraction = t / duration
+    return start_e + (end_e - start_e) * (fraction.clamp(max=1.0) if torch.is_tensor(fraction) else min(fraction, 1.0))
 
 
 def evaluate(q_network, args, device):
