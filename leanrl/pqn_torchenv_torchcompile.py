@@ -100,7 +100,7 @@ class Args(resume.Flags):
     """whether to replay the hot callables as CUDA graphs (needs a CUDA device)"""
     threads: int = 1
     """intra-op threads on a CPU (one wins beside any other process)"""
-    unroll: int = 8
+    unroll: int = 4
     """env steps per rollout call, unrolled into one graph (a divisor of num-steps): more compile longer, call less"""
 
 
@@ -345,11 +345,14 @@ def main(args: Args):
 
     # --compile: the rollout and the update, each one graph with fullgraph (inductor's C++ wrapper
     # drops the Python glue between its kernels on a CPU). The bootstrap's forward, once per
-    # iteration, and the returns' few ops are not worth a compile's seconds.
+    # iteration, and the returns' few ops are not worth a compile's seconds. In the rollout,
+    # inductor would inline the env step's long chain of ops into each of the step's many outputs,
+    # and generate and compile that code again for each: values of more than 4 ops are stored
+    # instead, which halves the rollout's compile at the same speed (benchmark/RESULTS.md).
     if args.compile:
         options = {"guard_filter_fn": speed.value_guards, "cpp_wrapper": device.type == "cpu"}
         update = torch.compile(update, fullgraph=True, options=options)
-        rollout = torch.compile(rollout, fullgraph=True, options=options)
+        rollout = torch.compile(rollout, fullgraph=True, options={**options, "realize_opcount_threshold": 4})
     if cudagraphs:
         update, rollout, returns_fn, policy = map(CudaGraphModule, (update, rollout, returns_fn, policy))
 

@@ -404,8 +404,8 @@ TINY = {
         "--update-epochs",
         "2",
     ],
-    # Torch-native CartPole: 2 envs, 64 steps (8 rollout calls of the lean script's default
-    # --unroll 8): 4 iterations of 4 minibatch updates, a log point after each.
+    # Torch-native CartPole: 2 envs, 64 steps (16 rollout calls of the lean script's default
+    # --unroll 4): 4 iterations of 4 minibatch updates, a log point after each.
     "pqn_torchenv": [
         "--total-timesteps",
         "512",
