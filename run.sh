@@ -6,7 +6,6 @@
 #   ./run.sh --quick              # every family, seeds 1-5, short budgets (the README table)
 #   ./run.sh                      # the full profile: longer budgets
 #   ./run.sh --scripts ppo_continuous_action sac_continuous_action --seeds 1 2 3 --steps 50000
-#   ./run.sh --help
 #
 # The learning profile: plain against lean --compile, curves and final returns over seeds
 # (benchmark/learning.py):
@@ -20,10 +19,14 @@
 # (benchmark/scaling.py):
 #
 #   ./run.sh --scaling
+#
+# Three modes, then: speed (the default), --learning and --scaling. ./run.sh --help prints this;
+# ./run.sh --quick --help, ./run.sh --learning --help and ./run.sh --scaling --help list each one's flags.
 set -euo pipefail
 cd "$(dirname "$0")"
 case "${1:-}" in
     --learning) exec python benchmark/learning.py "${@:2}" ;;
     --scaling) exec python benchmark/scaling.py "${@:2}" ;;
+    -h | --help) sed -n '2,/^set -euo/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;;
 esac
 exec python benchmark/bench.py "$@"

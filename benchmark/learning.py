@@ -10,6 +10,7 @@ Learning is not timed, so runs go `--jobs` at a time. Usage: `./run.sh --learnin
 
 import argparse
 import json
+import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -145,10 +146,40 @@ def finals(results, pair, side):
     return [r["episodic_return"] for r in runs if r.get("episodic_return") is not None]
 
 
+def seed_ranges(seeds):
+    """Seeds as ranges, in order: [1, 2, 3, 5, 7, 8] -> "1-3, 5, 7-8"."""
+    spans = []
+    for seed in sorted(set(seeds)):
+        if spans and seed == spans[-1][1] + 1:
+            spans[-1][1] = seed
+        else:
+            spans.append([seed, seed])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def seeds_arg(text):
+    """A --seeds value: a seed (5) or a range of them (1-180)."""
+    found = re.fullmatch(r"(\d+)(?:-(\d+))?", text)
+    if not found or int(found[2] or found[1]) < int(found[1]):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a seed nor a range of seeds such as 1-5")
+    return list(range(int(found[1]), int(found[2] or found[1]) + 1))
+
+
+def seed_groups(results):
+    """The seeds run, as ranges, and the pairs run on them: "1-15 (dqn, ppo); 1-180 (pqn)"."""
+    groups = {}
+    for pair in dict.fromkeys(r["pair"] for r in results):
+        groups.setdefault(seed_ranges(r["seed"] for r in results if r["pair"] == pair), []).append(pair)
+    if len(groups) == 1:
+        return f"{next(iter(groups))} (every pair run)"
+    return "; ".join(f"{seeds} ({', '.join(pairs)})" for seeds, pairs in groups.items())
+
+
 def summarize(results, info):
     rows = [
-        f"Machine: {info['host']}; torch {info['torch']}. Command: `{info['command']}` "
-        f"(profile `{info['profile']}`, seeds {info['seeds']}, {info['wall']}).",
+        f"Machine: {info['host']}; torch {info['torch']}.",
+        f"Command: {info['command']} (profile `{info['profile']}`, {info['wall']}).",
+        f"Seeds: {seed_groups(results) if results else 'none'}.",
         "",
         "| pair | env | steps | plain (mean ± sd) | lean --compile (mean ± sd) | lean - plain | 95% interval | same? |",
         "|---|---|---:|---:|---:|---:|---:|---|",
@@ -203,6 +234,23 @@ def plot(results, path):
     plt.close(fig)
 
 
+def command(args, seeds, out):
+    """The command that makes the table again from what the repository holds: the run's options
+    that change results, seeds as ranges, and --out where it lies in the repository. A merge's
+    parts lie outside it: each seed group of the table's Seeds line is run, then merged."""
+    where = f" --out {out.relative_to(bench.ROOT)}" if out.is_relative_to(bench.ROOT) else ""
+    if args.merge:
+        return (
+            "each seed group below as `./run.sh --learning --pairs PAIRS --seeds SEEDS --out DIR`, "
+            f"then `./run.sh --learning --merge DIR...{where}`"
+        )
+    words = ["./run.sh --learning", "--quick" if args.quick else ""]
+    words += ["--pairs " + " ".join(args.pairs) if args.pairs != list(PAIRS) else ""]
+    words += ["--seeds " + seed_ranges(seeds).replace(",", ""), f"--steps {args.steps}" if args.steps else ""]
+    words += ["--sides " + " ".join(args.sides) if args.sides != list(SIDES) else "", where.strip()]
+    return "`" + " ".join(w for w in words if w) + "`"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="run.sh --learning", description="Plain against lean --compile: learning curves and final returns over seeds."
@@ -216,7 +264,13 @@ def main(argv=None):
         metavar="PAIR",
         help=f"pairs to run (default: all): {', '.join(PAIRS)}",
     )
-    parser.add_argument("--seeds", nargs="+", type=int, default=None, help="seeds (default: 1-5, or 1-3 with --quick)")
+    parser.add_argument(
+        "--seeds",
+        nargs="+",
+        type=seeds_arg,
+        default=None,
+        help="seeds or ranges such as 1-5 (default: 1-5, or 1-3 with --quick)",
+    )
     parser.add_argument("--steps", type=int, default=None, help="env steps of every run, instead of the profile's")
     parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=list(SIDES), help="plain, lean or both (default)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each (default 2)")
@@ -239,21 +293,20 @@ def main(argv=None):
             "--merge runs nothing: drop --quick, --pairs, --seeds, --steps and --sides (the parts' runs are all merged)"
         )
     profile = "quick" if args.quick else "full"
-    seeds = args.seeds or SEEDS[profile]
+    seeds = sorted({s for seeds in args.seeds for s in seeds}) if args.seeds else SEEDS[profile]
     out = (args.out or bench.ROOT / "bench_results" / f"learning-{profile}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     if args.merge:
         results, replaced = merge(args.merge)
-        seeds, wall = sorted({r["seed"] for r in results}), "merged: " + ", ".join(str(d) for d in args.merge)
+        seeds, wall = sorted({r["seed"] for r in results}), f"{len(args.merge)} folders merged"
         wall += f"; runs redone in a later folder and taken from it: {replaced}" if replaced else ""
         profile = profile_of(results)
     else:
         results = run_all(plan(args.pairs, seeds, profile, args.steps, args.sides), out, args.jobs, args.timeout)
         wall = bench.duration(time.perf_counter() - start)
     (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
-    command = "./run.sh --learning " + " ".join(argv if argv is not None else sys.argv[1:])
-    info = {**bench.machine(), "profile": profile, "seeds": seeds, "command": command.strip(), "wall": wall}
+    info = {**bench.machine(), "profile": profile, "command": command(args, seeds, out), "wall": wall}
     info["host"] = (args.merge and machines_of(args.merge)) or f"{info['cpu']}, {info['cores']} cores"
     table = summarize(results, info)
     (out / "table.md").write_text(table)

@@ -28,6 +28,12 @@ def atomic_save(obj, path):
     return path
 
 
+def why(e):
+    """A failed write's cause in a few words: an OSError's own (a full disk, a read-only folder),
+    else the exception's type and first line (torch.save's RuntimeError on a full disk)."""
+    return getattr(e, "strerror", None) or f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+
+
 def algorithm_of(script):
     """The pair a script belongs to: its file name without `_torchcompile` and `.py`."""
     return Path(script).stem.removesuffix("_torchcompile")

@@ -1,5 +1,6 @@
-"""Bad input ends a run in one `error:` line naming the flag and what would work, before any work:
-the flags' rules, the budget, the env, the memory a buffer or rollout needs, the open files."""
+"""The flags: parsed (`cli`), and bad input ends a run in one `error:` line naming the flag and what
+would work, before any work: the rules, the budget, the env, the memory a buffer or rollout needs,
+the open files."""
 
 import math
 import os
@@ -9,6 +10,7 @@ import time
 
 import psutil
 import torch
+import tyro
 
 try:  # POSIX only (Windows has no file limit to check)
     import resource
@@ -59,6 +61,19 @@ def fail(message, every_rank=False):
     sys.exit(2)
 
 
+def cli(args_type):
+    """tyro's flags; Ctrl-C from here until a Run exists is one line and exit 130, not a traceback."""
+
+    def before_the_run(signum, frame):
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # under torchrun, one line for all ranks
+            sys.stderr.write("notice: interrupted before the run started; nothing to save\n")
+        os._exit(130)
+
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where a shell ignores it
+        signal.signal(signal.SIGINT, before_the_run)
+    return tyro.cli(args_type)
+
+
 def flags(args, atari=False):
     """The flags' rules, the budget and the env (`atari`: an envpool game), before any work."""
     from leanrl_utils.vector import check_env
@@ -94,15 +109,19 @@ def flags(args, atari=False):
 
 def budget(args):
     """Off-policy scripts learn from the first step past --learning-starts: a budget that ends
-    before it would save an untrained model."""
+    before it (a smoke run, an install check) runs and trains nothing, which one line says.
+    True for such a budget."""
     if not hasattr(args, "learning_starts") or args.total_timesteps == 0:
-        return
+        return False
     n, starts = args.num_envs, args.learning_starts
-    if args.total_timesteps // n * n <= starts:  # the loop's last step is the budget's last whole step of every env
-        fail(
-            f"--total-timesteps {args.total_timesteps} ends before learning starts (--learning-starts {starts}), "
-            f"so nothing would be trained: give at least {(starts // n + 1) * n} or a smaller --learning-starts"
-        )
+    if args.total_timesteps // n * n > starts:  # the loop's last step is the budget's last whole step of every env
+        return False
+    print(
+        f"notice: --total-timesteps {args.total_timesteps} ends before learning starts (--learning-starts {starts}): "
+        f"no update will run (give at least {(starts // n + 1) * n} steps to train)",
+        file=sys.stderr,
+    )
+    return True
 
 
 def open_files(num_seeds):

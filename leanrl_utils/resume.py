@@ -1,19 +1,18 @@
-"""Preemption-safe runs: the flags (`class Args(resume.Flags)`), reading a `--resume` checkpoint, and
-the state of what a run must restore to go on exactly (modules, optimizers, replay buffers, envs and
-their random generators, the random streams) in the types a `weights_only` checkpoint holds."""
+"""Preemption-safe runs: the flags (`class Args(resume.Flags)`) and reading a `--resume` checkpoint:
+whose it is, which flags the user gave, the run folder held by one process at a time. What the
+checkpoint holds is `state`'s."""
 
-import inspect
 import os
-import random
-from collections import deque
+import sys
+import time
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
-import gymnasium as gym
-import numpy as np
 import torch
-import torch.nn as nn
+from filelock import FileLock, Timeout
 
+from leanrl_utils import checkpoints, state
 from leanrl_utils.checks import fail
 
 
@@ -34,217 +33,105 @@ FREE = {
 }  # fmt: skip
 
 
-def read(args, script):
-    """With --resume, the checkpoint (its folder as "dir"), once it is checked to be `script`'s and no
-    flag contradicts it; every flag left at its default takes the checkpoint's value (a flag given as
-    its default value counts as not given). Without, None."""
+def given(argv):
+    """The flags named on a command line (`--name value`, `--name=value`, `--no-name`), as fields."""
+    names = {token[2:].split("=")[0].replace("-", "_") for token in argv if token.startswith("--")}
+    return names | {name.removeprefix("no_") for name in names}
+
+
+def hold(folder):
+    """`folder` for this process alone: a lock that a second process is refused by in one line and
+    that a dead process leaves free (the system drops it with the process). Returns the lock."""
+    lock = FileLock(os.path.join(folder, ".lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        with suppress(OSError), open(os.path.join(folder, ".pid")) as f:
+            fail(f"{folder} is written by another process (pid {f.read().strip()}): stop it first, or wait for its end")
+        fail(f"{folder} is written by another process: stop it first, or wait for its end")
+    with suppress(OSError), open(os.path.join(folder, ".pid"), "w") as f:
+        f.write(str(os.getpid()))
+    return lock
+
+
+def read(args, script, argv=None):
+    """With --resume, the checkpoint (its folder as "dir", held by this process as "lock"), once it
+    is checked to be `script`'s and whole. Flags left out of the command line (`argv`) take the
+    run's values; one given that differs is refused, or, when FREE, honoured and said in one line.
+    Without --resume, None."""
     if not getattr(args, "resume", None):
         return None
+    where = f"--resume {args.resume}"
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         fail("--resume under torchrun is not supported yet (each rank's envs and streams): resume a single process")
+    if args.load_model:
+        fail(f"--load-model and {where} both set the weights: resume the run, or start a new one from the model")
     path = Path(args.resume)
     path = path / "resume.pt" if path.is_dir() else path
     if not path.is_file():
-        fail(f"--resume {args.resume}: no checkpoint there; pass a run folder (runs/<run_name>) holding resume.pt")
+        fail(f"{where}: no checkpoint there; pass a run folder (runs/<run_name>) holding resume.pt")
+    lock = hold(path.parent)
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-        saved_args, saved_script = checkpoint["args"], checkpoint["script"]
-    except Exception as e:  # torch.load raises many types for a file that is no checkpoint
-        fail(f"--resume {args.resume}: cannot read its checkpoint ({type(e).__name__}); it is corrupt or not one")
+        saved_args, saved_script, done = checkpoint["args"], checkpoint["script"], checkpoint["loop"]["__tuple__"][0]
+        assert isinstance(saved_args, dict) and isinstance(done, int) and isinstance(checkpoint["finished"], bool)
+        assert all(isinstance(checkpoint[k], dict) for k in ("objects", "loop", "random"))
+    except Exception as e:  # torch.load raises many types for a file that is no checkpoint; a field can be missing
+        fail(f"{where}: cannot read its checkpoint ({type(e).__name__}); it is corrupt or not one: start anew")
     name = os.path.basename(script)
     if saved_script != name:
-        fail(f"--resume {args.resume} is a checkpoint of {saved_script}, not of {name}: resume it with that script")
-    defaults = type(args)()
+        fail(f"{where} is a checkpoint of {saved_script}, not of {name}: resume it with that script")
+    typed, changed = given(sys.argv[1:] if argv is None else argv), []
     for key, saved in saved_args.items():
-        given = getattr(args, key, saved)
-        if key in ("resume", "load_model"):
+        if key in ("resume", "load_model") or not hasattr(args, key) or getattr(args, key) == saved:
             continue
-        if given == getattr(defaults, key, given):
+        flag, value = f"--{key.replace('_', '-')}", getattr(args, key)
+        if key not in typed:
             setattr(args, key, saved)
-        elif given != saved and key not in FREE:
-            flag = f"--{key.replace('_', '-')}"
-            fail(
-                f"{flag} {given} contradicts the checkpoint ({flag} {saved}): resume with the flags of the run, or start anew"
-            )
-    if checkpoint["finished"] and args.total_timesteps <= saved_args["total_timesteps"]:
-        fail(
-            f"--resume {args.resume}: that run already finished its {saved_args['total_timesteps']} steps; "
-            "pass a larger --total-timesteps to extend it"
-        )
-    return checkpoint | {"dir": str(path.parent)}
-
-
-SKIP = object()
-CONTAINERS = {"__tuple__": tuple, "__list__": list, "__deque__": deque}
-
-
-def to_plain(x):
-    """`x` in the types a weights_only checkpoint holds (tensors, plain types), or SKIP."""
-    if isinstance(x, np.generic):  # before float: np.float64 is one
-        return x.item()
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return x
-    if isinstance(x, torch.Tensor):
-        return x.detach().to("cpu", copy=True)
-    if isinstance(x, np.ndarray):
-        if x.dtype == object:
-            return SKIP
-        kind = x.dtype.str  # uint32 and others torch cannot hold travel as int64
-        return {"__ndarray__": torch.from_numpy(x.astype(np.int64) if x.dtype.kind == "u" else x.copy()), "dtype": kind}
-    if isinstance(x, np.random.Generator):
-        return {"__generator__": x.bit_generator.state}
-    if isinstance(x, (tuple, list, deque)):
-        items = [to_plain(v) for v in x]
-        kind = next(k for k, t in CONTAINERS.items() if isinstance(x, t))
-        return SKIP if any(v is SKIP for v in items) else {kind: items, "maxlen": getattr(x, "maxlen", None)}
-    if isinstance(x, dict):
-        items = {k: to_plain(v) for k, v in x.items()}
-        return SKIP if any(v is SKIP or not isinstance(k, (str, int)) for k, v in items.items()) else {"__dict__": items}
-    return SKIP
-
-
-def from_plain(x, device=None):
-    """The inverse of `to_plain`; tensors go to `device`."""
-    if isinstance(x, torch.Tensor):
-        return x.to(device) if device is not None else x
-    if not isinstance(x, dict):
-        return x
-    if "__ndarray__" in x:
-        return x["__ndarray__"].numpy().astype(np.dtype(x["dtype"]))
-    if "__generator__" in x:
-        generator = np.random.Generator(getattr(np.random, x["__generator__"]["bit_generator"])())
-        generator.bit_generator.state = x["__generator__"]
-        return generator
-    if "__dict__" in x:
-        return {k: from_plain(v, device) for k, v in x["__dict__"].items()}
-    kind, items = next(iter(x.items()))
-    items = [from_plain(v, device) for v in items]
-    return deque(items, maxlen=x["maxlen"]) if kind == "__deque__" else CONTAINERS[kind](items)
-
-
-def state_of(obj):
-    """What a run needs of `obj` to go on exactly: a module's or optimizer's state_dict, a
-    TensorDict's tensors, a gymnasium env's layers, the numpy generators a function (a policy's
-    noise) closes over, or the plain attributes of any other object (a replay buffer's filled rows)."""
-    if isinstance(obj, torch.Tensor):  # a value updated in place (SAC's alpha)
-        return {"tensor": obj.detach().cpu().clone()}
-    if hasattr(obj, "flatten_keys"):  # a TensorDict of stacked parameters
-        return {"tensors": {k: v.detach().cpu().clone() for k, v in obj.flatten_keys(".").items()}}
-    if isinstance(obj, np.random.Generator):
-        return {"generator": obj.bit_generator.state}
-    if callable(obj) and not isinstance(obj, nn.Module) and not hasattr(obj, "state_dict"):
-        return {"closure": [g.bit_generator.state for g in closure_generators(obj)]}
-    if hasattr(obj, "state_dict"):  # modules and optimizers, torch's and ours
-        return {"state_dict": obj.state_dict()}
-    if isinstance(obj, (gym.Env, gym.vector.VectorEnv)):
-        return {"layers": [layer_state(layer) for layer in env_layers(obj)]}
-    if hasattr(obj, "flush"):
-        obj.flush()  # staged rows go to the storage first
-    size, rows = getattr(obj, "size", None), getattr(obj, "buffer_size", None)
-    state = {}
-    for name, value in vars(obj).items():
-        if isinstance(value, dict) and name == "stage":
-            continue
-        if isinstance(value, dict) and all(isinstance(v, torch.Tensor) for v in value.values()):
-            value = {k: v[:size] if rows and len(v) == rows else v for k, v in value.items()}
-        elif rows and isinstance(value, (np.ndarray, torch.Tensor)) and value.ndim and len(value) == rows:
-            value = value[:size]  # only the filled rows
-        if (plain := to_plain(value)) is not SKIP:
-            state[name] = plain
-    return {"attributes": state}
-
-
-def restore(obj, state):
-    """The inverse of `state_of`, in place: views of `obj` (a seed's part, a graph's input) see it."""
-    if "tensor" in state:
-        obj.detach().copy_(state["tensor"])
-    elif "generator" in state:
-        obj.bit_generator.state = state["generator"]
-    elif "closure" in state:
-        for generator, saved in zip(closure_generators(obj), state["closure"], strict=True):
-            generator.bit_generator.state = saved
-    elif "state_dict" in state:
-        obj.load_state_dict(state["state_dict"])
-    elif "tensors" in state:
-        for k, v in obj.flatten_keys(".").items():
-            v.detach().copy_(state["tensors"][k])
-    elif "layers" in state:
-        for layer, saved in zip(env_layers(obj), state["layers"]):
-            restore_layer(layer, saved)
-    else:
-        for name, saved in state["attributes"].items():
-            value, current = from_plain(saved), getattr(obj, name)
-            if isinstance(current, dict) and isinstance(value, dict):
-                for k, v in value.items():
-                    current[k][: len(v)].copy_(v.to(current[k].device)) if isinstance(v, torch.Tensor) else None
-            elif isinstance(current, (np.ndarray, torch.Tensor)) and current.ndim and len(value) <= len(current):
-                current[: len(value)] = value if isinstance(current, np.ndarray) else value.to(current.device)
-            else:
-                setattr(obj, name, value if not isinstance(current, torch.Tensor) else value.to(current.device))
-
-
-def closure_generators(fn):
-    """The numpy generators a function closes over (a compiled one: those of the function it wraps)."""
-    cells = getattr(inspect.unwrap(fn), "__closure__", None) or ()
-    return [c.cell_contents for c in cells if isinstance(c.cell_contents, np.random.Generator)]
-
-
-def env_layers(env):
-    """A (vector) env's layers, outside in: each wrapper, then the sub-envs' layers."""
-    layers = []
-    while env is not None:
-        layers.append(env)
-        for sub in getattr(env, "envs", None) or []:
-            layers.extend(env_layers(sub))
-        env = getattr(env, "env", None)
-    return layers
-
-
-def layer_state(layer):
-    """A layer's plain attributes, its spaces' generators (their sample()), its running statistics
-    (observation and reward normalization) and MuJoCo's integration state."""
-    state = {k: p for k, v in vars(layer).items() if k not in ("env", "envs") and (p := to_plain(v)) is not SKIP}
-    for k, v in vars(layer).items():
-        if isinstance(v, gym.spaces.Space):
-            state[f"__space__{k}"] = v.np_random.bit_generator.state
-        elif k not in state and type(v).__name__ == "RunningMeanStd":
-            state[f"__stats__{k}"] = {name: to_plain(x) for name, x in vars(v).items()}
-    if hasattr(layer, "data") and hasattr(layer, "model") and type(layer.data).__name__ == "MjData":
-        import mujoco
-
-        spec = mujoco.mjtState.mjSTATE_INTEGRATION
-        buf = np.empty(mujoco.mj_stateSize(layer.model, spec))
-        mujoco.mj_getState(layer.model, layer.data, buf, spec)
-        state["__mujoco__"] = torch.from_numpy(buf)
-    return state
-
-
-def restore_layer(layer, state):
-    for k, v in state.items():
-        if k == "__mujoco__":
-            import mujoco
-
-            mujoco.mj_setState(layer.model, layer.data, v.numpy(), mujoco.mjtState.mjSTATE_INTEGRATION)
-            mujoco.mj_forward(layer.model, layer.data)
-        elif k.startswith("__space__"):
-            getattr(layer, k.removeprefix("__space__")).np_random.bit_generator.state = v
-        elif k.startswith("__stats__"):
-            for name, x in v.items():
-                setattr(getattr(layer, k.removeprefix("__stats__")), name, from_plain(x))
+        elif key in FREE:
+            changed.append(f"{flag} {value} (the run had {saved})")
         else:
-            setattr(layer, k, from_plain(v))
+            fail(
+                f"{flag} {value} contradicts the checkpoint ({flag} {saved}): resume with the flags of the run, or start anew"
+            )
+    if args.total_timesteps < done:
+        fail(
+            f"--total-timesteps {args.total_timesteps} is below the {done} steps the run has done: leave it out, or give more"
+        )
+    if checkpoint["finished"] and args.total_timesteps <= saved_args["total_timesteps"]:
+        fail(f"{where}: that run already finished its {saved_args['total_timesteps']} steps; pass a larger --total-timesteps")
+    if changed:
+        print(f"notice: resuming with {', '.join(changed)}", file=sys.stderr)
+    return checkpoint | {"dir": str(path.parent), "lock": lock}
 
 
-def random_state():
-    state = {"torch": torch.get_rng_state(), "numpy": to_plain(np.random.get_state()), "python": to_plain(random.getstate())}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_random_state(state):
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(from_plain(state["numpy"]))
-    random.setstate(from_plain(state["python"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+def save(lead, iteration, finished):
+    """runs/<run_name>/resume.pt, atomically: all `--resume` needs to go on at `iteration`, for every
+    seed of the `lead` Run. A failed save (a full disk, a folder made read-only) is said in one line
+    and tried again at the next checkpoint; training goes on."""
+    if not lead.rank0 or lead.loop is None or lead.world_size > 1:
+        return
+    seeds = []
+    for run in lead.seeds:
+        run.open()
+        run.write()
+        if run.writer:
+            run.writer.flush()
+        events = {f: os.path.getsize(f"{run.dir}/{f}") for f in os.listdir(run.dir) if f.startswith("events.out.tfevents")}
+        seeds.append(
+            {"name": run.name, "step": run.step, "updates": run.updates, "returns": list(run.returns)}
+            | {"curve_bytes": run.curve.tell(), "events": events, "wandb_id": run.wandb.id if run.wandb else None}
+        )
+    saved = {
+        "script": lead.script, "algorithm": lead.algorithm, "args": vars(lead.args), "time": lead.time,
+        "iteration": iteration, "finished": finished, "wall_s": lead.offset_s + time.perf_counter() - lead.start,
+        "seeds": seeds, "objects": {name: state.state_of(obj) for name, obj in lead.objects.items()},
+        "loop": state.to_plain(tuple(lead.loop())), "random": state.random_state(),
+    }  # fmt: skip
+    path = f"{lead.dir}/resume.pt"
+    try:
+        checkpoints.atomic_save(saved, path)
+        lead.resume_error = None
+    except Exception as e:
+        lead.resume_error = f"cannot save {path} ({checkpoints.why(e)})"
+        print(f"error: {lead.resume_error}; training goes on and tries again at the next checkpoint", file=sys.stderr)

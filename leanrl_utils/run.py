@@ -10,28 +10,17 @@ import signal
 import sys
 import time
 from collections import deque
+from contextlib import suppress
 
 import numpy as np
 import torch
 import tqdm
-import tyro
 
-from leanrl_utils import checkpoints, resume, summary
+from leanrl_utils import checkpoints, resume, state, summary
 from leanrl_utils.checks import fail
 from leanrl_utils.vector import ended_episodes
 
-
-def cli(args_type):
-    """tyro's flags; Ctrl-C from here until a Run exists is one line and exit 130, not a traceback."""
-
-    def before_the_run(signum, frame):
-        if os.environ.get("LOCAL_RANK", "0") == "0":  # under torchrun, one line for all ranks
-            sys.stderr.write("notice: interrupted before the run started; nothing to save\n")
-        os._exit(130)
-
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where a shell ignores it
-        signal.signal(signal.SIGINT, before_the_run)
-    return tyro.cli(args_type)
+CURVE_HEADER = "step,seconds,episodic_return\n"
 
 
 class Run:
@@ -57,7 +46,7 @@ class Run:
         self.offset_s, self.start = resumed["wall_s"] if resumed else 0.0, time.perf_counter()
         self.warm_time, self.warm_step = self.start, 0
         self.curve = self.writer = self.wandb = self.bar = self.warmup_s = self.last_sps = self.last_good = None
-        self.stop_reason = self.save_error = self.stop_signal = self.iteration = self.loop = None
+        self.stop_reason = self.save_error = self.resume_error = self.stop_signal = self.iteration = self.loop = None
         self.objects, self.eval_return, self.due = {}, None, time.perf_counter()
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         if args.track and self.rank0 and importlib.util.find_spec("wandb") is None:
@@ -84,8 +73,8 @@ class Run:
         try:
             if mine:
                 os.makedirs(self.dir, exist_ok=True)
-                self.curve = open(f"{self.dir}/curve.csv", "a", buffering=1)  # line-buffered: each row at once
-                self.curve.truncate(mine["curve_bytes"])  # points written after the checkpoint come again
+                self.lock = self.resumed["lock"] if self is self.lead else resume.hold(self.dir)
+                self.curve = self.reopen_curve(mine["curve_bytes"])
                 for name in os.listdir(self.dir):
                     if name.startswith("events.out.tfevents"):
                         with open(f"{self.dir}/{name}", "r+b") as events:
@@ -98,8 +87,9 @@ class Run:
                         break
                     except FileExistsError:
                         self.name, self.dir = f"{base}__{k}", f"runs/{base}__{k}"
-                self.curve = open(f"{self.dir}/curve.csv", "w", buffering=1)
-                self.curve.write("step,seconds,episodic_return\n")
+                self.lock = resume.hold(self.dir)
+                self.curve = open(f"{self.dir}/curve.csv", "w", buffering=1)  # line-buffered: each row at once
+                self.curve.write(CURVE_HEADER)
         except OSError as e:
             fail(f"cannot write {self.dir} ({e.strerror}): run from a folder you can write to")
         try:
@@ -124,26 +114,42 @@ class Run:
             a = self.args
             self.wandb = wandb.init(project=a.wandb_project_name, entity=a.wandb_entity, config=vars(a), name=self.name, **kw)
 
+    def reopen_curve(self, saved_bytes):
+        """curve.csv cut back to the checkpoint (points after it come again); a file missing or
+        shorter than saved is rebuilt from its header and the whole rows it holds, and said."""
+        path = f"{self.dir}/curve.csv"
+        rows = open(path).read().splitlines(keepends=True) if os.path.exists(path) else []
+        if sum(map(len, rows)) >= saved_bytes and rows[:1] == [CURVE_HEADER]:
+            curve = open(path, "a", buffering=1)
+            curve.truncate(saved_bytes)
+            return curve
+        rows = [row for row in rows if row != CURVE_HEADER and row.endswith("\n") and row.count(",") == 2]
+        print(f"notice: {path} was missing or short; rebuilt with its header and {len(rows)} rows", file=sys.stderr)
+        curve = open(path, "w", buffering=1)
+        curve.write("".join([CURVE_HEADER, *rows]))
+        return curve
+
     def load(self, networks):
         """--load-model into `networks` (name -> module)."""
         checkpoints.load(self.args.load_model, networks, self.args.env_id, self.algorithm)
 
     def resume(self, objects, loop, device="cpu"):
         """Names what resume.pt holds: `objects` (name -> module, optimizer, buffer, envs...; False:
-        none) and `loop()`, the loop's variables. With --resume, restores them and the random streams
+        none) and `loop()`, the loop's variables, its env step first. With --resume, restores them and the random streams
         and returns the resumed loop variables (tensors on `device`); else returns `loop()`."""
         self.objects, self.loop = {name: obj for name, obj in objects.items() if obj is not False}, loop
         if not self.resumed:
             return loop()
         try:
             for name, obj in self.objects.items():
-                resume.restore(obj, self.resumed["objects"][name])
+                state.restore(obj, self.resumed["objects"][name])
         except (KeyError, RuntimeError, ValueError, IndexError) as e:
             fail(f"--resume {self.args.resume}: its state does not fit this run ({type(e).__name__}); start anew")
-        resume.set_random_state(self.resumed["random"])
+        state.set_random_state(self.resumed["random"])
+        loop = tuple(state.from_plain(v, device) for v in self.resumed["loop"]["__tuple__"])
         if self.rank0:
-            print(f"notice: resuming {self.dir} after step {self.step}", file=sys.stderr)
-        return tuple(resume.from_plain(v, device) for v in self.resumed["loop"]["__tuple__"])
+            print(f"notice: resuming {self.dir} from step {int(loop[0])}", file=sys.stderr)
+        return loop
 
     def checkpoint(self, iteration):
         """At the start of each iteration, where the state is whole: saves resume.pt when a stop
@@ -158,32 +164,9 @@ class Run:
             self.stop_signal = self.stop_signal or (signal.SIGTERM if stop else None)
         every = getattr(self.args, "checkpoint_every", 0)
         if stop or (every and time.perf_counter() - self.due >= every):
-            self.save(iteration, finished=False)
+            resume.save(self, iteration, finished=False)
             self.due = time.perf_counter()
         return stop
-
-    def save(self, iteration, finished):
-        """runs/<run_name>/resume.pt, atomically: all `--resume` needs to go on at `iteration`."""
-        if not self.rank0 or self.loop is None or self.world_size > 1:
-            return
-        seeds = []
-        for run in self.seeds:
-            run.open()
-            run.write()
-            if run.writer:
-                run.writer.flush()
-            events = {f: os.path.getsize(f"{run.dir}/{f}") for f in os.listdir(run.dir) if f.startswith("events.out.tfevents")}
-            seeds.append(
-                {"name": run.name, "step": run.step, "updates": run.updates, "returns": list(run.returns)}
-                | {"curve_bytes": run.curve.tell(), "events": events, "wandb_id": run.wandb.id if run.wandb else None}
-            )
-        state = {
-            "script": self.script, "algorithm": self.algorithm, "args": vars(self.args), "time": self.time,
-            "iteration": iteration, "finished": finished, "wall_s": self.offset_s + time.perf_counter() - self.start,
-            "seeds": seeds, "objects": {name: resume.state_of(obj) for name, obj in self.objects.items()},
-            "loop": resume.to_plain(tuple(self.loop())), "random": resume.random_state(),
-        }  # fmt: skip
-        checkpoints.atomic_save(state, f"{self.dir}/resume.pt")
 
     def episodes(self, step, infos):
         """CleanRL's charts, one point per finished episode in a vector env's `infos`."""
@@ -195,13 +178,35 @@ class Run:
         self.points.append((step, {"charts/episodic_return": r, "charts/episodic_length": n}))
 
     def write(self):
-        """The points since the last log point, to TensorBoard and wandb."""
-        for step, values in self.points:
-            for k, v in values.items() if self.writer else ():
-                self.writer.add_scalar(k, v, step)
-            if self.wandb:
-                self.wandb.log(values, step=step)
+        """The points since the last log point, to TensorBoard and wandb. A writer that fails (a full
+        disk, a folder made read-only) is said in one line and dropped; training goes on."""
+        try:
+            for step, values in self.points:
+                for k, v in values.items() if self.writer else ():
+                    self.writer.add_scalar(k, v, step)  # TensorBoard's thread raises its errors here
+                if self.wandb:
+                    self.wandb.log(values, step=step)
+        except Exception as e:
+            self.writer_failed("TensorBoard events", e)
         self.points.clear()
+
+    def writer_failed(self, what, e):
+        print(
+            f"error: cannot write {what} in {self.dir} ({checkpoints.why(e)}); training goes on without them", file=sys.stderr
+        )
+        with suppress(Exception):
+            self.writer.close()
+        self.writer = None
+
+    def write_curve(self, line):
+        try:
+            self.curve.write(line)
+        except OSError as e:
+            print(
+                f"error: cannot write {self.dir}/curve.csv ({checkpoints.why(e)}); training goes on without it",
+                file=sys.stderr,
+            )
+            self.curve = open(os.devnull, "w")
 
     def mean_return(self):
         """The mean return of the last 10 episodes, None before the first."""
@@ -225,7 +230,7 @@ class Run:
         means = [m for m in (run.mean_return() for run in self.seeds) if m is not None]
         self.bar.set_description(f"sps={(sps or math.nan) * seeds:6.0f} return={np.mean(means) if means else math.nan:8.2f}")
         if self.returns:
-            self.curve.write(f"{step},{now - self.start + self.offset_s:.3f},{self.mean_return():.3f}\n")
+            self.write_curve(f"{step},{now - self.start + self.offset_s:.3f},{self.mean_return():.3f}\n")
         self.points.append((step, {**metrics, "charts/SPS": sps or 0.0}))
         self.write()
         if self.args.save_model:

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from leanrl_utils import checkpoints
+from leanrl_utils import checkpoints, resume
 
 try:  # POSIX only: peak memory comes from psutil elsewhere (Windows)
     import resource
@@ -50,11 +50,12 @@ def finish(run, step, updates, networks, evaluate, fields):
     if finished and not getattr(lead, "ended", False):
         lead.ended = True
         if getattr(run.args, "checkpoint_every", 0) or os.path.exists(f"{lead.dir}/resume.pt"):
-            lead.save(lead.iteration + 1, finished=True)
+            resume.save(lead, lead.iteration + 1, finished=True)
     if lead.stop_signal and run.rank0 and run is lead:
         print(f"notice: interrupted at step {run.step}; saving what there is", file=sys.stderr)
     checkpoint, state = None, run.last_good
-    if run.args.save_model and run.rank0 and networks:
+    # An interrupted run that no update has changed has nothing to save.
+    if run.args.save_model and run.rank0 and networks and not (lead.stop_signal and run.updates == 0):
         current = {name: net.state_dict() for name, net in networks.items()}
         if run.stop_reason is None and checkpoints.finite(current):
             state = current
@@ -65,8 +66,8 @@ def finish(run, step, updates, networks, evaluate, fields):
             try:
                 checkpoint = checkpoints.save(path, state, run.algorithm, run.args)
                 print(f"notice: model saved to {checkpoint}", file=sys.stderr)
-            except OSError as e:  # a full disk, a quota, a folder made read-only
-                run.save_error = f"cannot save {path} ({e.strerror or e}): nothing saved"
+            except Exception as e:  # a full disk, a quota, a folder made read-only
+                run.save_error = f"cannot save {path} ({checkpoints.why(e)}): nothing saved"
     if run.args.eval_episodes > 0 and run.rank0 and not (run.stop_reason or lead.stop_signal):
 
         def stop(signum, frame):  # a long evaluation stops at once on Ctrl-C or SIGTERM
@@ -89,7 +90,7 @@ def finish(run, step, updates, networks, evaluate, fields):
     if run is not lead:
         return
     returns, evals = [r.mean_return() for r in run.seeds], [r.eval_return for r in run.seeds]
-    save_errors = [r.save_error for r in run.seeds if r.save_error]
+    save_errors = [r.save_error for r in run.seeds if r.save_error] + [run.resume_error] * bool(run.resume_error)
     found = [m for m in returns if m is not None]
     seeds = {"episodic_returns": returns, "eval_returns": evals} if len(run.seeds) > 1 else {}
     end_sps = run.last_sps and run.last_sps * len(run.seeds)

@@ -6,16 +6,22 @@ import copy
 import importlib.util
 import json
 import os
+import pkgutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.nn as nn
 
 import leanrl_utils
+
+# Every module of the package, so that the tests reach each as leanrl_utils.<module>.
+for _module in pkgutil.iter_modules(leanrl_utils.__path__):
+    importlib.import_module(f"leanrl_utils.{_module.name}")
 
 # One intra-op thread in each test process too: pytest-xdist runs a worker per core, and
 # OpenMP's spinning threads beside another busy process stall small ops tenfold.
@@ -32,27 +38,28 @@ def scripts(pattern):
     return found
 
 
+def script_env(**extra):
+    """The environment a script runs in: one intra-op thread, as in the benchmark (the networks are
+    too small for a second one to pay on 2 cores, and beside any other process OpenMP's spinning
+    threads stall, 10x slower), unbuffered output, wandb off."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", **extra}
+
+
 def run_script(script, *args, cwd, timeout=600, env=None, check=True):
     """Run a script in a subprocess; return (summary dict or None, CompletedProcess).
 
     The summary is the last stdout line, which every script prints as one JSON object."""
-    # One intra-op thread, as in the benchmark: the networks are too small for a second one to
-    # pay on 2 cores, and beside any other process OpenMP's spinning threads stall (10x slower).
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", **(env or {})}
-    proc = subprocess.run(
-        [sys.executable, str(script), *map(str, args)],
-        cwd=cwd,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    command = [sys.executable, str(script), *map(str, args)]
+    proc = subprocess.run(command, cwd=cwd, env=script_env(**(env or {})), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         pytest.fail(f"{Path(script).name} {' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
-    lines = proc.stdout.strip().splitlines()
-    # Strict JSON: NaN or Infinity in the summary fails the test.
-    summary = json.loads(lines[-1], parse_constant=pytest.fail) if lines and lines[-1].startswith("{") else None
-    return summary, proc
+    return last_summary(proc.stdout), proc
+
+
+def last_summary(stdout):
+    """The summary: the last stdout line as strict JSON (NaN or Infinity in it fails the test)."""
+    lines = stdout.strip().splitlines()
+    return json.loads(lines[-1], parse_constant=pytest.fail) if lines and lines[-1].startswith("{") else None
 
 
 def script_command(script, before="", after=""):
@@ -62,26 +69,84 @@ def script_command(script, before="", after=""):
     return [sys.executable, "-c", f"{before}\n{run}\n{after}", str(script)]
 
 
+def start_script(script, cwd, *argv, before=None, **popen):
+    """The script in the background (stdout and stderr piped, as text); `before`: Python source its
+    process runs first."""
+    command = script_command(script, before=before) if before else [sys.executable, str(script)]
+    options = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+    return subprocess.Popen([*command, *map(str, argv)], cwd=cwd, env=script_env(), **options)
+
+
+# Sends `signum` to the script's own process at its `at`-th env step (of one env), mid-iteration,
+# `times` times 1 ms apart (a scheduler's or a person's second signal).
+SIGNAL_AT_STEP = """
+import os, time, gymnasium as gym
+_step, _calls = gym.wrappers.RecordEpisodeStatistics.step, [0]
+def step(self, action):
+    _calls[0] += 1
+    for _ in range({times} if _calls[0] == {at} else 0):
+        os.kill(os.getpid(), {signum})
+        time.sleep(0.001)
+    return _step(self, action)
+gym.wrappers.RecordEpisodeStatistics.step = step
+"""
+
+
+def start_long_run(script, workdir, *extra, before=None):
+    """The script at its tiny settings but `extra` and no budget of its own, in the background;
+    `before`: Python source that its process runs first. A shell without job control starts
+    background jobs with SIGINT ignored: the script gets the default disposition, as in a terminal."""
+    argv = tiny(script, *extra, total_timesteps=None)
+    return start_script(script, workdir, *argv, before=before, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def wait_for(proc, text, timeout=180):
+    """Read the process's stderr until `text` shows (the test fails if it never does); returns it."""
+    seen, deadline = "", time.time() + timeout
+    while text not in seen and time.time() < deadline and proc.poll() is None:
+        seen += os.read(proc.stderr.fileno(), 4096).decode(errors="replace")
+    assert text in seen, seen
+    return seen
+
+
+def stop_and_read(proc, signum, seen, send=True):
+    """Send `signum` (or, with send=False, wait for the one the script sends itself); the exit
+    status it stands for, no traceback; returns the summary."""
+    if send:
+        proc.send_signal(signum)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum, (proc.returncode, seen + stderr)
+    assert "Traceback" not in stderr, stderr
+    return last_summary(stdout)
+
+
 def run_without(module, script, *args, cwd):
     """Run a script as if `module` were not installed (its import fails)."""
-    return subprocess.run(
-        [*script_command(script, before=f"import sys; sys.modules[{module!r}] = None"), *map(str, args)],
-        cwd=cwd,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    command = [*script_command(script, before=f"import sys; sys.modules[{module!r}] = None"), *map(str, args)]
+    return subprocess.run(command, cwd=cwd, env=script_env(), capture_output=True, text=True, timeout=600)
 
 
-def assert_one_line_error(proc, *words):
-    """Bad input: non-zero exit, one line on stderr starting with 'error:', no traceback."""
-    assert proc.returncode != 0, proc.stdout
-    assert "Traceback" not in proc.stderr, proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, proc.stderr
+def error_line(err, *words):
+    """Of stderr `err`: its one line starting with 'error:', which names `words` (any case); no
+    traceback. Returns the line."""
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
     for word in words:
         assert word.lower() in errors[0].lower(), errors[0]
+    return errors[0]
+
+
+def assert_one_line_error(proc, *words, code=None):
+    """Bad input: non-zero exit (`code` if given), one line on stderr starting with 'error:', no
+    traceback."""
+    assert proc.returncode != 0 if code is None else proc.returncode == code, (proc.returncode, proc.stderr)
+    return error_line(proc.stderr, *words)
+
+
+def assert_bad_input(script, *argv, words, cwd, **options):
+    """The script run with `argv` ends with exit status 2 and one `error:` line naming `words`."""
+    _, proc = run_script(script, *argv, cwd=cwd, check=False, **options)
+    return assert_one_line_error(proc, *words, code=2)
 
 
 def load_script(path):
@@ -101,12 +166,21 @@ def main_in_process(module, *argv, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     import tyro
 
-    args = tyro.cli(module.Args, args=[*TINY[family(module.__file__)], *map(str, argv)])
+    args = tyro.cli(module.Args, args=tiny(module.__file__, *argv))
     try:
         module.main(args)
     except SystemExit as e:
         return e.code
     return 0
+
+
+def refused_in_process(module, *argv, tmp_path, monkeypatch, capsys, words=()):
+    """main_in_process with `argv` ends with exit 2, one `error:` line naming `words`, no traceback
+    and nothing on stdout. Returns the line."""
+    code = main_in_process(module, *argv, tmp_path=tmp_path, monkeypatch=monkeypatch)
+    out, err = capsys.readouterr()
+    assert code == 2 and out.strip() == "", (code, out, err)
+    return error_line(err, *words)
 
 
 def short_env(env_id, max_episode_steps):
@@ -180,6 +254,46 @@ class NumpyDrawingAsLean:
                     self.actions = torch.randint(low, (self.draw_steps, size)).numpy()
                 return self.actions[(self.step - 1) % self.draw_steps]
             return torch.randint(high, (size,)).numpy()  # a minibatch's rows, randint(0, rows, size=batch)
+
+
+def atari_batch(n, seed, *fields, n_act=4):
+    """A flat rollout batch of Atari frames as a lean script feeds its update: frames, actions,
+    `fields` (each drawn by a function of the size and the generator) and valid, about 1 step in 8
+    a reset step (valid 0)."""
+    g = torch.Generator().manual_seed(seed)
+    frames = torch.randint(0, 256, (n, 4, 84, 84), dtype=torch.uint8, generator=g)
+    actions = torch.randint(0, n_act, (n,), generator=g)
+    return (frames, actions, *(draw(n, g) for draw in fields), (torch.rand(n, generator=g) > 0.125).float())
+
+
+def assert_dqn_step_is_the_plain_step(metrics, nets, optimizer, batch, gamma, seed_net, tolerance, msg=""):
+    """The plain DQN scripts' step as written in their loops, on one seed's batch (obs, actions,
+    next_obs, rewards, dones) with its Q-network and target `nets`: the lean update's metrics
+    (td_loss, q_values) and that seed's parameters after it are the step's loss, mean Q and
+    parameters, within `tolerance`."""
+    (q_ref, target_ref), (obs, actions, next_obs, rewards, dones) = nets, batch
+    with torch.no_grad():
+        target_max, _ = target_ref(next_obs).max(dim=1)
+        td_target = rewards + gamma * target_max * (1 - dones)
+    old_val = q_ref(obs).gather(1, actions.unsqueeze(1)).squeeze(1)
+    loss = torch.nn.functional.mse_loss(td_target, old_val)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    torch.testing.assert_close(metrics[0], loss.detach(), **tolerance)
+    torch.testing.assert_close(metrics[1], old_val.mean().detach(), **tolerance)
+    for name, value in q_ref.state_dict().items():
+        torch.testing.assert_close(seed_net.state_dict()[name], value, **tolerance, msg=f"{msg}{name}")
+
+
+def dqn_learner(lean, nets, targets, storage, gamma=0.99, learning_rate=2.5e-4):
+    """A lean DQN script's set-up over copies of `nets` and `targets` (one seed: a stack of one): stacked
+    parameters, one functional Adam, the update over `storage`; returns (nets, params, target_params, update)."""
+    nets, targets = copy.deepcopy(nets), copy.deepcopy(targets)
+    params, target_params = leanrl_utils.seeds.stack(nets), leanrl_utils.seeds.stack(targets)
+    optimizer = leanrl_utils.optimizers.Adam(params.items(), learning_rate)
+    update = lean.make_update(nets[0], dict(target_params.items()), optimizer, storage, gamma, len(nets))
+    return nets, params, target_params, update
 
 
 def build_plain_targets_too(lean, monkeypatch, targets):
@@ -290,150 +404,85 @@ def is_lean(script):
 
 # Tiny settings per family: each reaches the update and the logging at least twice within
 # seconds (compile aside), on a cheap env. Every script in leanrl/ must have an entry here.
+# CartPole PPO and PQN: 2 envs, 64 steps: 4 iterations of 4 minibatch updates, a log point after each.
+CARTPOLE_ROLLOUTS = "--total-timesteps 512 --num-envs 2 --num-steps 64 --num-minibatches 2 --update-epochs 2"
+# Atari PPO and PQN: 2 envs, 16 steps, 2 iterations (4 minibatch updates each).
+ATARI_ROLLOUTS = "--env-id Breakout-v5 --num-envs 2 --num-steps 16 --total-timesteps 64 --num-minibatches 2 --update-epochs 2"
 TINY = {
-    "ppo_continuous_action": [
-        "--env-id",
-        "InvertedPendulum-v5",
-        "--total-timesteps",
-        "256",
-        "--num-steps",
-        "64",
-        "--num-minibatches",
-        "2",
-        "--update-epochs",
-        "2",
-    ],
-    # CartPole: 2 envs, 64 steps: 4 iterations of 4 minibatch updates, a log point after each.
-    "ppo": [
-        "--total-timesteps",
-        "512",
-        "--num-envs",
-        "2",
-        "--num-steps",
-        "64",
-        "--num-minibatches",
-        "2",
-        "--update-epochs",
-        "2",
-    ],
-    # Learning starts after step 64; 236 updates; logs at steps 100, 200 and 300.
-    "sac_continuous_action": [
-        "--env-id",
-        "Pendulum-v1",
-        "--total-timesteps",
-        "300",
-        "--learning-starts",
-        "64",
-        "--batch-size",
-        "32",
-        "--buffer-size",
-        "1000",
-    ],
-    # Learning starts after step 32; 208 updates; logs at steps 100, 200 and 240.
-    "td3_continuous_action": [
-        "--env-id",
-        "Pendulum-v1",
-        "--total-timesteps",
-        "240",
-        "--learning-starts",
-        "32",
-        "--batch-size",
-        "16",
-        "--buffer-size",
-        "1000",
-    ],
-    # Learning starts at step 100; 75 updates (one per 4 steps); target copies every 50 steps;
-    # logs at steps 100, 200, 300 and 400.
-    "dqn": [
-        "--total-timesteps",
-        "400",
-        "--learning-starts",
-        "100",
-        "--batch-size",
-        "32",
-        "--buffer-size",
-        "500",
-        "--train-frequency",
-        "4",
-        "--target-network-frequency",
-        "50",
-    ],
-    # Atari: 2 envs; learning starts after step 100; 75 updates (one per 4 steps); target copies
-    # every 50 steps; a buffer of 100 rows per env, which wraps; logs at steps 100, 200, 300 and 400.
-    "dqn_atari_envpool": [
-        "--env-id",
-        "Breakout-v5",
-        "--num-envs",
-        "2",
-        "--total-timesteps",
-        "400",
-        "--learning-starts",
-        "100",
-        "--batch-size",
-        "32",
-        "--buffer-size",
-        "200",
-        "--target-network-frequency",
-        "50",
-    ],
-    # Atari: 2 envs, 16 steps, 2 iterations (4 minibatch updates each).
-    "ppo_atari_envpool": [
-        "--env-id",
-        "Breakout-v5",
-        "--num-envs",
-        "2",
-        "--num-steps",
-        "16",
-        "--total-timesteps",
-        "64",
-        "--num-minibatches",
-        "2",
-        "--update-epochs",
-        "2",
-    ],
-    # 2 envs, 64 steps: 4 iterations of 4 minibatch updates, a log point after each.
-    "pqn": [
-        "--total-timesteps",
-        "512",
-        "--num-envs",
-        "2",
-        "--num-steps",
-        "64",
-        "--num-minibatches",
-        "2",
-        "--update-epochs",
-        "2",
-    ],
-    # Torch-native CartPole: 2 envs, 64 steps (16 rollout calls of the lean script's default
-    # --unroll 4): 4 iterations of 4 minibatch updates, a log point after each.
-    "pqn_torchenv": [
-        "--total-timesteps",
-        "512",
-        "--num-envs",
-        "2",
-        "--num-steps",
-        "64",
-        "--num-minibatches",
-        "2",
-        "--update-epochs",
-        "2",
-    ],
-    # Atari: 2 envs, 16 steps, 2 iterations (4 minibatch updates each).
-    "pqn_atari_envpool": [
-        "--env-id",
-        "Breakout-v5",
-        "--num-envs",
-        "2",
-        "--num-steps",
-        "16",
-        "--total-timesteps",
-        "64",
-        "--num-minibatches",
-        "2",
-        "--update-epochs",
-        "2",
-    ],
+    family: argv.split()
+    for family, argv in {
+        "ppo_continuous_action": "--env-id InvertedPendulum-v5 --total-timesteps 256 --num-steps 64 --num-minibatches 2"
+        " --update-epochs 2",
+        "ppo": CARTPOLE_ROLLOUTS,
+        "pqn": CARTPOLE_ROLLOUTS,
+        # The lean torch-native twin makes 16 rollout calls of its default --unroll 4 per iteration.
+        "pqn_torchenv": CARTPOLE_ROLLOUTS,
+        # Learning starts after step 64; 236 updates; logs at steps 100, 200 and 300.
+        "sac_continuous_action": "--env-id Pendulum-v1 --total-timesteps 300 --learning-starts 64 --batch-size 32"
+        " --buffer-size 1000",
+        # Learning starts after step 32; 208 updates; logs at steps 100, 200 and 240.
+        "td3_continuous_action": "--env-id Pendulum-v1 --total-timesteps 240 --learning-starts 32 --batch-size 16"
+        " --buffer-size 1000",
+        # Learning starts at step 100; 75 updates (one per 4 steps); target copies every 50 steps;
+        # logs at steps 100, 200, 300 and 400.
+        "dqn": "--total-timesteps 400 --learning-starts 100 --batch-size 32 --buffer-size 500 --train-frequency 4"
+        " --target-network-frequency 50",
+        # Atari: 2 envs; learning starts after step 100; 75 updates (one per 4 steps); target copies
+        # every 50 steps; a buffer of 100 rows per env, which wraps; logs at steps 100, 200, 300 and 400.
+        "dqn_atari_envpool": "--env-id Breakout-v5 --num-envs 2 --total-timesteps 400 --learning-starts 100"
+        " --batch-size 32 --buffer-size 200 --target-network-frequency 50",
+        "ppo_atari_envpool": ATARI_ROLLOUTS,
+        "pqn_atari_envpool": ATARI_ROLLOUTS,
+    }.items()
 }
+
+
+def tiny(script, *argv, **flags):
+    """TINY's arguments for `script` (a path or a family), each of `flags` (total_timesteps=...)
+    set to its value, or left out where None, then `argv`."""
+    out = list(TINY[family(script)])
+    for name, value in flags.items():
+        flag = "--" + name.replace("_", "-")
+        if flag in out:
+            del out[out.index(flag) : out.index(flag) + 2]
+        out += [] if value is None else [flag, str(value)]
+    return [*out, *map(str, argv)]
+
+
+def tiny_args(script, *argv):
+    """The script's Args at its tiny settings plus `argv`."""
+    import tyro
+
+    return tyro.cli(load_script(script).Args, args=tiny(script, *argv))
+
+
+def tiny_value(script, flag, default=None):
+    """The integer TINY gives `flag` for `script`, or `default`."""
+    argv = TINY[family(script)]
+    return int(argv[argv.index(flag) + 1]) if flag in argv else default
+
+
+def pair(name):
+    """A family's plain script and its lean twin."""
+    return scripts(f"{name}.py")[0], scripts(f"{name}_torchcompile.py")[0]
+
+
+@pytest.fixture(scope="module")
+def plain(request):
+    """The plain script of the test module's FAMILY, imported."""
+    return load_script(pair(request.module.FAMILY)[0])
+
+
+@pytest.fixture(scope="module")
+def lean(request):
+    """The lean script of the test module's FAMILY, imported."""
+    return load_script(pair(request.module.FAMILY)[1])
+
+
+@pytest.fixture(params=["plain", "lean"])
+def either(request):
+    """Each script of the test module's FAMILY in turn, imported."""
+    return request.getfixturevalue(request.param)
 
 
 def assert_refused_before_work(code, capsys, tmp_path, *words, started=False):
@@ -441,126 +490,19 @@ def assert_refused_before_work(code, capsys, tmp_path, *words, started=False):
     `started`, no run folder either. Returns the line."""
     out, err = capsys.readouterr()
     assert code == 2, (code, err)
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "Traceback" not in err, err
-    for word in words:
-        assert word.lower() in errors[0].lower(), errors[0]
+    line = error_line(err, *words)
     assert "sps=" not in err and out.strip() == "", (out, err)  # no training, no summary
     if not started:
         assert not (tmp_path / "runs").exists()  # nothing was set up
-    return errors[0]
+    return line
 
 
-# ---------------------------------------------------------------- PPO updates (CartPole and MuJoCo pairs)
+def stack_of_one(agent):
+    """One agent's parameters as a lean script holds them: a stack of one (the agent's own
+    parameters become views of it)."""
+    return leanrl_utils.seeds.stack([agent]).items()
 
 
-def ppo_lean_update(lean, agent, args, compiled):
-    """A lean PPO script's minibatch update of one agent, eager (fused Adam) or compiled into one
-    graph (per-tensor Adam), and the lr tensor it reads."""
-    lr = torch.tensor(args.learning_rate)
-    optimizer = leanrl_utils.optimizers.Adam(agent.named_parameters(), lr, eps=1e-5, fused=not compiled)
-    update = lean.make_update(agent, optimizer, args)
-    options = {"guard_filter_fn": leanrl_utils.speed.value_guards}
-    return (torch.compile(update, fullgraph=True, options=options) if compiled else update), lr
-
-
-def ppo_plain_step(agent, optimizer, args, minibatch):
-    """The plain PPO scripts' minibatch step, as written in their loops."""
-    obs, actions, logprobs, advantages, returns, values = minibatch
-    _, newlogprob, entropy, newvalue = agent.get_action_and_value(obs, actions)
-    logratio = newlogprob - logprobs
-    ratio = logratio.exp()
-    with torch.no_grad():
-        old_approx_kl = (-logratio).mean()
-        approx_kl = ((ratio - 1) - logratio).mean()
-        clipfrac = ((ratio - 1.0).abs() > args.clip_coef).float().mean()
-    advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
-    pg_loss = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)).mean()
-    newvalue = newvalue.view(-1)
-    v_clipped = values + torch.clamp(newvalue - values, -args.clip_coef, args.clip_coef)
-    v_loss = 0.5 * torch.max((newvalue - returns) ** 2, (v_clipped - returns) ** 2).mean()
-    entropy_loss = entropy.mean()
-    loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
-    optimizer.zero_grad()
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-    optimizer.step()
-    return torch.stack([v_loss, pg_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac]).detach()
-
-
-def ppo_minibatches(generator, batch_size, minibatch_size, updates, rates, learning_rate):
-    """Per update: the lr tensors annealed in place as the loops do, and a minibatch's indices."""
-    for step in range(updates):
-        for rate in rates:
-            rate.copy_((1.0 - step / updates) * learning_rate)
-        yield torch.randperm(batch_size, generator=generator)[:minibatch_size]
-
-
-def changed_mlp(n_in, n_out, activation, device=None):
-    """A researcher's edit of a PPO network: other widths, `activation` first, ReLU after, and an
-    extra layer."""
-    return nn.Sequential(
-        nn.Linear(n_in, 32, device=device),
-        activation(),
-        nn.Linear(32, 48, device=device),
-        nn.ReLU(),
-        nn.Linear(48, 16, device=device),
-        nn.ReLU(),
-        nn.Linear(16, n_out, device=device),
-    )
-
-
-def assert_ppo_lean_update_is_plain(plain_agent, lean, lean_agent, args, batch, minibatch_size, generator):
-    """From the plain agent's parameters, 4 lean steps (torch.func, clipping on the gradient dict,
-    fused functional Adam with a tensor lr annealed in place) give the plain steps' metrics and
-    parameters (`loss.backward()`, `clip_grad_norm_`, `optim.Adam(eps=1e-5)`) on the same
-    minibatches. Tolerance: rtol 1e-5, atol 1e-6 (float32 round-off of two summation orders; a
-    wrong term moves the values by far more). Returns the plain steps' summed clip fractions."""
-    lean_agent.load_state_dict(plain_agent.state_dict())
-    initial = copy.deepcopy(plain_agent)
-    update, lr = ppo_lean_update(lean, lean_agent, args, compiled=False)
-    optimizer = torch.optim.Adam(plain_agent.parameters(), lr=args.learning_rate, eps=1e-5)
-    clipped = 0.0
-    for idx in ppo_minibatches(generator, len(batch[0]), minibatch_size, 4, (lr,), args.learning_rate):
-        optimizer.param_groups[0]["lr"] = float(lr)
-        expected = ppo_plain_step(plain_agent, optimizer, args, [t[idx] for t in batch])
-        torch.testing.assert_close(update(*batch, idx), expected, rtol=1e-5, atol=1e-6)
-        clipped += float(expected[-1])
-    for name, value in plain_agent.state_dict().items():
-        torch.testing.assert_close(lean_agent.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
-    assert all(not torch.equal(a, b) for a, b in zip(plain_agent.parameters(), initial.parameters()))
-    return clipped
-
-
-def assert_ppo_compiled_update_matches_eager(lean, agent, batch, minibatch_size, generator):
-    """Three compiled steps (one graph, per-tensor Adam) agree with three eager steps (fused
-    Adam) from the same agent, with the lr tensor changed in place between them. Tolerance: rtol
-    1e-4, atol 1e-5 (inductor reorders float32 reductions, ~1e-6; a wrong term moves them by far
-    more)."""
-    args = lean.Args()
-    agents = [agent, copy.deepcopy(agent)]
-    (eager, lr_eager), (compiled, lr_compiled) = (ppo_lean_update(lean, a, args, c) for a, c in zip(agents, (False, True)))
-    for idx in ppo_minibatches(generator, len(batch[0]), minibatch_size, 3, (lr_eager, lr_compiled), args.learning_rate):
-        torch.testing.assert_close(compiled(*batch, idx), eager(*batch, idx), rtol=1e-4, atol=1e-5)
-    for (name, a), (_, b) in zip(agents[0].named_parameters(), agents[1].named_parameters()):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)
-
-
-def assert_ppo_stack_of_one_is_the_one_agent(lean, single, args, batch, minibatch_size, generator):
-    """One seed is a stack of one: make_update over stack_seeds([agent]) with num_seeds 1 (the
-    rollout and indices with a leading seed dimension of 1) runs the one agent's own ops and the
-    same fused Adam kernel as the unstacked agent's update: its metrics and parameters bit for bit."""
-    stacked, initial = copy.deepcopy(single), copy.deepcopy(single)
-    single_update, single_lr = ppo_lean_update(lean, single, args, compiled=False)
-    lr = torch.tensor(args.learning_rate)
-    params = leanrl_utils.seeds.stack([stacked])
-    optimizer = leanrl_utils.optimizers.Adam(params.items(), lr, eps=1e-5, fused=True)
-    stacked_update = lean.make_update(stacked, optimizer, args, num_seeds=1)
-    for idx in ppo_minibatches(generator, len(batch[0]), minibatch_size, 3, (lr, single_lr), args.learning_rate):
-        expected = single_update(*batch, idx)
-        metrics = stacked_update(*(x[None] for x in batch), idx[None])
-        assert metrics.shape == (1, len(lean.METRICS))
-        torch.testing.assert_close(metrics[0], expected, rtol=0, atol=0)
-    for name, value in single.state_dict().items():
-        torch.testing.assert_close(stacked.state_dict()[name], value, rtol=0, atol=0, msg=name)
-    assert all(not torch.equal(a, b) for a, b in zip(single.parameters(), initial.parameters()))
+def unstacked(update):
+    """A lean update over a stack of one, called with one agent's batch and minibatch rows."""
+    return lambda *batch_and_idx: update(*(x[None] for x in batch_and_idx))[0]

@@ -7,10 +7,15 @@ import json
 import math
 import time
 
+import pytest
 from conftest import ROOT, load_script
 
+# What bench.summarize is told about the machine and the run.
+INFO = {"cpu": "x", "cores": 1, "gpu": None, "torch": "t", "python": "p", "command": "c"}
 
-def load_bench():
+
+@pytest.fixture(scope="module")
+def bench():
     return load_script(ROOT / "benchmark" / "bench.py")
 
 
@@ -18,8 +23,13 @@ def load_ceilings():
     return load_script(ROOT / "benchmark" / "ceilings.py")
 
 
-def test_tiny_profile_writes_table_and_plot(tmp_path):
-    bench = load_bench()
+def record(family, mode, seed, sps, **fields):
+    """One run's record as bench writes it."""
+    script = f"{family}.py" if mode == "plain" else f"{family}_torchcompile.py"
+    return {"family": family, "mode": mode, "script": script, "seed": seed, "sps": sps, **fields}
+
+
+def test_tiny_profile_writes_table_and_plot(bench, tmp_path):
     status = bench.main(["--profile", "tiny", "--scripts", "ppo_continuous_action", "--out", str(tmp_path)])
     assert status == 0
     records = [json.loads(r) for r in (tmp_path / "results.jsonl").read_text().splitlines()]
@@ -35,23 +45,19 @@ def test_tiny_profile_writes_table_and_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_cudagraphs_modes_are_not_applicable_without_cuda():
-    bench = load_bench()
+def test_cudagraphs_modes_are_not_applicable_without_cuda(bench):
     runs, skipped = bench.plan(["ppo_continuous_action"], [1, 2], "tiny", cuda=False)
     assert {mode for _, _, mode, _, _ in runs} == {"plain", "eager", "compile"}
     assert sorted(mode for *_, mode in skipped) == ["compile+cudagraphs", "cudagraphs"]
-    records = [
-        {"family": "ppo_continuous_action", "mode": "plain", "script": "ppo_continuous_action.py", "seed": 1, "sps": 9.0}
-    ]
-    info = {"cpu": "x", "cores": 1, "gpu": None, "torch": "t", "python": "p", "command": "c", "profile": "tiny", "seeds": [1]}
+    records = [record("ppo_continuous_action", "plain", 1, 9.0)]
+    info = {**INFO, "profile": "tiny", "seeds": [1]}
     rows = [line for line in bench.summarize(records, skipped, {}, info).splitlines() if "n/a (needs CUDA)" in line]
     assert [row.split(" | ")[2] for row in rows] == ["cudagraphs", "compile+cudagraphs"]
     runs, skipped = bench.plan(["ppo_continuous_action"], [1], "tiny", cuda=True)
     assert len(runs) == 5 and not skipped
 
 
-def test_plan_pairs_plain_and_lean_runs_of_one_seed_back_to_back():
-    bench = load_bench()
+def test_plan_pairs_plain_and_lean_runs_of_one_seed_back_to_back(bench):
     runs, _ = bench.plan(["dqn", "ppo_continuous_action"], [1, 2], "quick", cuda=False)
     order = [(fam, mode, seed) for fam, _, mode, seed, _ in runs]
     assert order[:3] == [("dqn", "plain", 1), ("dqn", "eager", 1), ("dqn", "compile", 1)]
@@ -63,26 +69,13 @@ def test_plan_pairs_plain_and_lean_runs_of_one_seed_back_to_back():
     assert all(argv[:2] == ["--total-timesteps", "777"] for *_, argv in runs)
 
 
-def test_paired_ratio_is_taken_per_seed_then_the_median(tmp_path):
-    bench = load_bench()
+def test_paired_ratio_is_taken_per_seed_then_the_median(bench, tmp_path):
     plain = {1: 100.0, 2: 100.0, 3: 400.0}
     lean = {1: 150.0, 2: 300.0, 3: 400.0}  # per seed 1.5, 3.0, 1.0; the ratio of medians is 3.0
-    records = [{"family": "f", "mode": "plain", "script": "f.py", "seed": s, "sps": v} for s, v in plain.items()]
-    # listed out of seed order: runs pair by seed, not by position
-    records += [
-        {"family": "f", "mode": "compile", "script": "f_torchcompile.py", "seed": s, "sps": lean[s]} for s in (3, 1, 2)
-    ]
+    records = [record("f", "plain", s, v) for s, v in plain.items()]
+    records += [record("f", "compile", s, lean[s]) for s in (3, 1, 2)]  # out of seed order: runs pair by seed
     assert sorted(bench.paired_ratios(records[3:], records[:3])) == [1.0, 1.5, 3.0]
-    info = {
-        "cpu": "x",
-        "cores": 1,
-        "gpu": None,
-        "torch": "t",
-        "python": "p",
-        "command": "c",
-        "profile": "quick",
-        "seeds": [1, 2, 3],
-    }
+    info = {**INFO, "profile": "quick", "seeds": [1, 2, 3]}
     table = bench.summarize(records, [], {}, info)
     row = next(line for line in table.splitlines() if "| compile |" in line)
     cols = [c.strip() for c in row.strip("|").split("|")]
@@ -91,8 +84,7 @@ def test_paired_ratio_is_taken_per_seed_then_the_median(tmp_path):
     assert bench.paired_ratios(records[3:], records[:1]) == [1.5]
 
 
-def test_curve_comes_from_the_run_dir_or_an_old_summary_field(tmp_path):
-    bench = load_bench()
+def test_curve_comes_from_the_run_dir_or_an_old_summary_field(bench, tmp_path):
     run_dir = tmp_path / "runs" / "CartPole-v1__dqn__1__1"
     run_dir.mkdir(parents=True)
     (run_dir / "curve.csv").write_text("step,seconds,episodic_return\n100,0.5,\n200,1.0,9.5\n300,1.5,12\n")
@@ -103,8 +95,7 @@ def test_curve_comes_from_the_run_dir_or_an_old_summary_field(tmp_path):
     assert bench.read_curve({}, tmp_path) == []
 
 
-def test_run_one_reads_the_summary_and_the_curve_relative_to_the_runs_cwd(tmp_path):
-    bench = load_bench()
+def test_run_one_reads_the_summary_and_the_curve_relative_to_the_runs_cwd(bench, tmp_path):
     script = tmp_path / "fake.py"
     script.write_text(
         "import json, os\n"
@@ -120,8 +111,7 @@ def test_run_one_reads_the_summary_and_the_curve_relative_to_the_runs_cwd(tmp_pa
     assert summary["curve"] == [[10.0, 0.1, 1.0]] and (work / "runs" / "fake__1" / "curve.csv").exists()
 
 
-def test_a_run_past_its_timeout_is_stopped_and_counted_as_failed(tmp_path):
-    bench = load_bench()
+def test_a_run_past_its_timeout_is_stopped_and_counted_as_failed(bench, tmp_path):
     sleeper = tmp_path / "sleeper.py"
     sleeper.write_text("import time\nprint('{\"sps\": 1.0}', flush=True)\ntime.sleep(60)\n")
     start = time.monotonic()
@@ -129,8 +119,7 @@ def test_a_run_past_its_timeout_is_stopped_and_counted_as_failed(tmp_path):
     assert (tmp_path / "sleeper.log").exists() and time.monotonic() - start < 30
 
 
-def test_families_are_globbed_and_a_family_without_a_budget_uses_the_default(tmp_path, monkeypatch):
-    bench = load_bench()
+def test_families_are_globbed_and_a_family_without_a_budget_uses_the_default(bench, tmp_path, monkeypatch):
     for name in ("new_algo.py", "new_algo_torchcompile.py", "alone.py", "orphan_torchcompile.py"):
         (tmp_path / name).write_text("")
     monkeypatch.setattr(bench, "SCRIPTS", tmp_path)
@@ -144,8 +133,8 @@ def test_env_ceiling_steps_the_env():
     assert load_ceilings().env_ceiling("CartPole-v1", 2, seconds=0.3)["sps"] > 0
 
 
-def test_arithmetic_ceiling_replays_recorded_matmuls(tmp_path):
-    bench, ceilings = load_bench(), load_ceilings()
+def test_arithmetic_ceiling_replays_recorded_matmuls(bench, tmp_path):
+    ceilings = load_ceilings()
     cfg = bench.config("dqn")
     ceiling = ceilings.arithmetic_ceiling(
         bench.SCRIPTS / "dqn.py", cfg["arith"]["args"], cfg["arith"]["steps"], tmp_path, seconds=0.3
@@ -170,56 +159,26 @@ def test_flop_counts_of_a_convolution_and_its_gradients():
     assert ceilings.flop("aten.addmm.default", [torch.randn(7), a, b], None) == 2 * 3 * 5 * 7
 
 
-def test_ceilings_appear_in_the_table_as_fractions_of_the_median():
-    bench = load_bench()
-    records = [{"family": "dqn", "mode": "plain", "script": "dqn.py", "seed": s, "sps": 50.0} for s in (1, 2)]
+def test_ceilings_appear_in_the_table_as_fractions_of_the_median(bench):
+    records = [record("dqn", "plain", s, 50.0) for s in (1, 2)]
     ceilings = {"dqn": {"env": {"sps": 200.0}, "arith": {"sps": 100.0, "gflop_per_step": 0.001, "gflops": 30.0}}}
-    info = {
-        "cpu": "x",
-        "cores": 1,
-        "gpu": None,
-        "torch": "t",
-        "python": "p",
-        "command": "c",
-        "profile": "quick",
-        "seeds": [1, 2],
-    }
+    info = {**INFO, "profile": "quick", "seeds": [1, 2]}
     table = bench.summarize(records, [], ceilings, info)
     row = next(line for line in table.splitlines() if "| plain |" in line)
     assert [c.strip() for c in row.strip("|").split("|")][7:9] == ["25%", "50%"]
     assert "- dqn: env alone 200 (CartPole-v1, 1 env, random actions); dense ops alone 100" in table
 
 
-def test_warm_up_is_split_into_the_cold_first_seed_and_the_warm_others():
-    bench = load_bench()
+def test_warm_up_is_split_into_the_cold_first_seed_and_the_warm_others(bench):
     records = [
-        {
-            "family": "dqn",
-            "mode": "compile",
-            "script": "dqn_torchcompile.py",
-            "seed": s,
-            "sps": 50.0,
-            "warmup_s": w,
-            "cold": s == 1,
-        }
-        for s, w in ((1, 30.0), (2, 4.0), (3, 6.0), (4, 100.0))
+        record("dqn", "compile", s, 50.0, warmup_s=w, cold=s == 1) for s, w in ((1, 30.0), (2, 4.0), (3, 6.0), (4, 100.0))
     ]
-    info = {
-        "cpu": "x",
-        "cores": 1,
-        "gpu": None,
-        "torch": "t",
-        "python": "p",
-        "command": "c",
-        "profile": "quick",
-        "seeds": [1, 2, 3, 4],
-    }
+    info = {**INFO, "profile": "quick", "seeds": [1, 2, 3, 4]}
     row = next(line for line in bench.summarize(records, [], {}, info).splitlines() if "| compile |" in line)
     assert [c.strip() for c in row.strip("|").split("|")][9:11] == ["30.0", "6.0"]
 
 
-def test_each_cell_compiles_into_its_own_cache_and_only_its_first_seed_is_cold(tmp_path, monkeypatch):
-    bench = load_bench()
+def test_each_cell_compiles_into_its_own_cache_and_only_its_first_seed_is_cold(bench, tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(
         bench, "run_one", lambda script, argv, log, timeout, cache: calls.append(cache) or {"sps": 1.0, "seed": argv[-1]}
@@ -227,12 +186,7 @@ def test_each_cell_compiles_into_its_own_cache_and_only_its_first_seed_is_cold(t
     runs, _ = bench.plan(["dqn"], [1, 2], "tiny", cuda=False)
     records = bench.run_all(runs, tmp_path, 10)
     assert [(r["mode"], r["cold"]) for r in records] == [
-        ("plain", True),
-        ("eager", True),
-        ("compile", True),
-        ("plain", False),
-        ("eager", False),
-        ("compile", False),
+        (m, cold) for cold in (True, False) for m in ("plain", "eager", "compile")
     ]
     assert calls[:3] == calls[3:] and len(set(calls)) == 3
 

@@ -1,7 +1,5 @@
-"""DQN pair: the epsilon schedule and how the loops follow it, the replay buffer and the
-autoreset handling, the policy and every form of the network derived from the module (also once
-the module is changed), the update for one seed and stacked seeds (lean against plain math,
-compiled against eager), bad input, and learning on CartPole."""
+"""DQN pair: how the loops follow the epsilon schedule, the replay buffer across autoresets, every form of the
+network derived from the module (also changed), the update (lean against plain, compiled against eager), learning."""
 
 import copy
 
@@ -9,54 +7,20 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from conftest import (
-    NumpyDrawingAsLean,
-    assert_one_line_error,
-    assert_same_run,
-    load_script,
+    assert_dqn_step_is_the_plain_step,
+    dqn_learner,
     main_in_process,
-    recorded_runs,
+    pair,
     run_script,
-    scripts,
     short_env,
 )
 from torch.func import functional_call
 
 import leanrl_utils
 
-PLAIN_PATH, LEAN_PATH = scripts("dqn.py")[0], scripts("dqn_torchcompile.py")[0]
-BOTH = [PLAIN_PATH, LEAN_PATH]
-
-
-@pytest.fixture(scope="module")
-def plain():
-    return load_script(PLAIN_PATH)
-
-
-@pytest.fixture(scope="module")
-def lean():
-    return load_script(LEAN_PATH)
-
-
-def module_of(path, plain, lean):
-    return plain if path == PLAIN_PATH else lean
-
-
-# ---------------------------------------------------------------- epsilon schedule
-
-
-def test_epsilon_schedule_end_points_and_middle_in_both_scripts(plain, lean):
-    """CleanRL's defaults: 1.0 to 0.05 over half of 500k steps, then flat."""
-    duration = 0.5 * 500_000
-    expected = {0: 1.0, 62_500: 0.7625, 125_000: 0.525, 250_000: 0.05, 400_000: 0.05, 500_000: 0.05}
-    for t, value in expected.items():
-        a = plain.linear_schedule(1.0, 0.05, duration, t)
-        b = lean.linear_schedule(1.0, 0.05, duration, t)
-        assert a == b, (t, a, b)
-        assert a == pytest.approx(value, abs=1e-12), (t, a)
-    # No division by zero when there is no exploration phase.
-    assert plain.linear_schedule(1.0, 0.05, 0, 0) == lean.linear_schedule(1.0, 0.05, 0, 0) == 0.05
+FAMILY = "dqn"
+PLAIN_PATH, LEAN_PATH = BOTH = pair(FAMILY)
 
 
 def run_in_process(module, monkeypatch, tmp_path, **kwargs):
@@ -95,21 +59,17 @@ def test_plain_loop_asks_the_schedule_at_every_step(plain, monkeypatch, tmp_path
     assert calls == [(1.0, 0.05, 150.0, t) for t in range(0, 300, 2)]
 
 
-# ---------------------------------------------------------------- buffer and autoreset
-
 SHORT_LIMIT = 20  # random play both terminates and truncates CartPole
 SHORT_ID = short_env("CartPole-v1", SHORT_LIMIT)
 # CartPole terminates past these bounds (gymnasium's CartPoleEnv); a reset state lies in +-0.05.
 X_LIMIT, THETA_LIMIT = 2.4, 12 * 2 * np.pi / 360
 
 
-@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
-def test_stored_transitions_follow_the_episodes(path, plain, lean, monkeypatch, tmp_path):
+def test_stored_transitions_follow_the_episodes(either, monkeypatch, tmp_path):
     """Every stored transition is one real step: its next observation is the true one (the final
     observation where an episode ended, never the reset one), the done flag is set on
     terminations only (a truncation bootstraps), and no transition spans an autoreset."""
-    module = module_of(path, plain, lean)
-    records = []
+    module, records = either, []
     add = module.ReplayBuffer.add
 
     def recording_add(self, *args, **rows):
@@ -203,8 +163,6 @@ def test_plain_buffer_samples_only_filled_rows(plain):
     assert torch.all(obs == 1) and torch.all(rewards == 1)
 
 
-# ---------------------------------------------------------------- policy
-
 SEEDS = pytest.mark.parametrize("num_seeds", [1, 2], ids=["1seed", "2seeds"])
 HOST = pytest.mark.parametrize("host", [True, False], ids=["numpy", "torch"])
 
@@ -225,11 +183,8 @@ def module_actions(nets, obs):
 @SEEDS
 @HOST
 def test_lean_policy_is_greedy_and_draws_explore_below_epsilon(lean, host, num_seeds):
-    """The policy is derived from the Q-network module, in numpy on a CPU and in torch elsewhere
-    (behind `host_arrays`, as the loop calls it), for one seed (a stack of one) and stacked seeds:
-    block k of its actions is the argmax of seed k's module forward, also after an in-place step
-    of the stacked parameters (as Adam's; the numpy form reads views of them). Draws at epsilon 0
-    never explore, at 1 always do, with uniform actions."""
+    """The numpy and torch policies, one seed or stacked, act with the argmax of each seed's module,
+    also after an in-place step; draws at epsilon 0 never explore, at 1 always, with uniform actions."""
     torch.manual_seed(0)
     n_act = 3
     nets = [lean.QNetwork(4, n_act) for _ in range(num_seeds)]
@@ -341,9 +296,6 @@ def test_layer_without_a_numpy_form_is_one_line(lean, capsys):
     torch.testing.assert_close(torch.from_numpy(actions), module_actions(nets, obs), rtol=0, atol=0)
 
 
-# ---------------------------------------------------------------- update numerics
-
-
 def update_case(lean, num_seeds, batch_size=32, buffer_size=500):
     """Q-networks, their targets and a filled replay storage ([buffer_size, seeds, ...]), the sizes
     of the tiny smoke runs; batches of num_seeds blocks of batch_size rows."""
@@ -362,16 +314,6 @@ def update_case(lean, num_seeds, batch_size=32, buffer_size=500):
     return args, nets, targets, storage, batches
 
 
-def lean_update(lean, nets, targets, storage, gamma, learning_rate):
-    """main's set-up over copies of `nets` and `targets`: stacked parameters (one seed is a stack
-    of one), one functional Adam, the update."""
-    nets, targets = copy.deepcopy(nets), copy.deepcopy(targets)
-    params, target_params = leanrl_utils.seeds.stack(nets), leanrl_utils.seeds.stack(targets)
-    optimizer = leanrl_utils.optimizers.Adam(params.items(), learning_rate)
-    update = lean.make_update(nets[0], dict(target_params.items()), optimizer, storage, gamma, len(nets))
-    return nets, params, target_params, update
-
-
 # One seed computes with the module's own ops, bit for bit; stacked seeds' batched matmuls sum in
 # another order (differences seen: 3e-7 in the metrics, 9e-8 in the parameters).
 EXACT = {1: dict(rtol=0, atol=0), 2: dict(rtol=1e-5, atol=1e-6)}
@@ -383,7 +325,7 @@ def test_lean_update_is_the_plain_update(lean, num_seeds):
     (loss.backward, optim.Adam), written out as in dqn.py for each seed on its own column of the
     storage and its own block of the batch: the same numbers, bit for bit for one seed."""
     args, nets, targets, storage, batches = update_case(lean, num_seeds)
-    seed_nets, _, _, update = lean_update(lean, nets, targets, storage, args.gamma, args.learning_rate)
+    seed_nets, _, _, update = dqn_learner(lean, nets, targets, storage, args.gamma, args.learning_rate)
     refs = [(copy.deepcopy(net), copy.deepcopy(target)) for net, target in zip(nets, targets)]
     optimizers = [torch.optim.Adam(q_ref.parameters(), lr=args.learning_rate) for q_ref, _ in refs]
     for idx in batches:
@@ -391,23 +333,11 @@ def test_lean_update_is_the_plain_update(lean, num_seeds):
         assert metrics.shape == (len(lean.METRICS), num_seeds)
         for k, ((q_ref, target_ref), optimizer) in enumerate(zip(refs, optimizers)):
             rows = idx.view(num_seeds, -1)[k]
-            obs, actions, next_obs = (
-                storage["obs"][rows, k],
-                storage["actions"][rows, k].unsqueeze(1),
-                storage["next_obs"][rows, k],
+            batch = [storage[key][rows, k] for key in ("obs", "actions", "next_obs", "rewards", "dones")]
+            nets = (q_ref, target_ref)
+            assert_dqn_step_is_the_plain_step(
+                metrics[:, k], nets, optimizer, batch, args.gamma, seed_nets[k], EXACT[num_seeds], f"seed {k} "
             )
-            with torch.no_grad():
-                target_max, _ = target_ref(next_obs).max(dim=1)
-                td_target = storage["rewards"][rows, k] + args.gamma * target_max * (1 - storage["dones"][rows, k])
-            old_val = q_ref(obs).gather(1, actions).squeeze(1)
-            loss = F.mse_loss(td_target, old_val)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            torch.testing.assert_close(metrics[0, k], loss.detach(), **EXACT[num_seeds])
-            torch.testing.assert_close(metrics[1, k], old_val.mean().detach(), **EXACT[num_seeds])
-            for name, value in q_ref.state_dict().items():
-                torch.testing.assert_close(seed_nets[k].state_dict()[name], value, **EXACT[num_seeds], msg=f"seed {k} {name}")
 
 
 @SEEDS
@@ -416,8 +346,8 @@ def test_compiled_update_matches_eager(lean, num_seeds):
     the same 5 batches. Tolerance: float32, and the compiled graph fuses and reorders the
     reductions; differences seen were at most 1e-6 in the loss and 1e-7 in the parameters."""
     args, nets, targets, storage, batches = update_case(lean, num_seeds)
-    eager_nets, eager_params, eager_targets, eager = lean_update(lean, nets, targets, storage, args.gamma, args.learning_rate)
-    compiled_nets, compiled_params, compiled_targets, compiled = lean_update(
+    eager_nets, eager_params, eager_targets, eager = dqn_learner(lean, nets, targets, storage, args.gamma, args.learning_rate)
+    compiled_nets, compiled_params, compiled_targets, compiled = dqn_learner(
         lean, nets, targets, storage, args.gamma, args.learning_rate
     )
     compiled = torch.compile(compiled, options={"guard_filter_fn": leanrl_utils.speed.value_guards, "cpp_wrapper": True})
@@ -436,51 +366,15 @@ def test_compiled_update_matches_eager(lean, num_seeds):
 
 
 def test_update_compiled_again_with_another_gamma_compiles_anew(lean):
-    """The scripts compile with `value_guards`, which drops most of torch.compile's guards. An
-    update made again in the same process with another discount (a float the graph holds as a
-    constant) must get its own graph, not reuse the first: each compiled update against its eager
-    twin. torch.compiler.keep_tensor_guards_unsafe fails this (both ran with gamma 0.99)."""
+    """An update made again with another gamma (a constant in the graph) gets its own graph under
+    `value_guards` (torch.compiler.keep_tensor_guards_unsafe would reuse the first)."""
     args, nets, targets, storage, batches = update_case(lean, 1)
     for gamma in (0.99, 0.5):
-        *_, eager = lean_update(lean, nets, targets, storage, gamma, args.learning_rate)
-        *_, compiled = lean_update(lean, nets, targets, storage, gamma, args.learning_rate)
+        *_, eager = dqn_learner(lean, nets, targets, storage, gamma, args.learning_rate)
+        *_, compiled = dqn_learner(lean, nets, targets, storage, gamma, args.learning_rate)
         compiled = torch.compile(compiled, options={"guard_filter_fn": leanrl_utils.speed.value_guards, "cpp_wrapper": True})
         torch.testing.assert_close(compiled(batches[0]), eager(batches[0]), rtol=1e-5, atol=1e-5, msg=f"gamma {gamma}")
 
-
-# ---------------------------------------------------------------- whole run
-
-
-def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path):
-    """Given the same random numbers, the two scripts make the same run: the same envs and
-    seeds, initial weights, epsilon-greedy actions, stored transitions, minibatches, TD targets,
-    Adam steps and target-network copies, over 2,000 steps with 300 updates. So the scripts
-    differ only in how they draw (blocks of steps at once in torch against a step's in numpy:
-    the same distributions) and in float rounding."""
-    monkeypatch.chdir(tmp_path)
-    args = dict(total_timesteps=2000, learning_starts=500, train_frequency=5, target_network_frequency=100, batch_size=32)
-    monkeypatch.setattr(plain, "np", NumpyDrawingAsLean(draw_steps=256))
-    plain_run, lean_run = recorded_runs([plain, lean], args, monkeypatch)
-    assert len(lean_run[0]) == 20
-    assert_same_run(plain_run, lean_run, ["losses/td_loss", "losses/q_values", "charts/epsilon"])
-
-
-# ---------------------------------------------------------------- bad input
-
-
-@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
-def test_continuous_action_env_is_one_line(path, workdir):
-    _, proc = run_script(path, "--env-id", "Pendulum-v1", cwd=workdir, check=False)
-    assert_one_line_error(proc, "Pendulum-v1", "discrete")
-
-
-@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
-def test_unknown_env_id_is_one_line(path, workdir):
-    _, proc = run_script(path, "--env-id", "CartPol-v1", cwd=workdir, check=False)
-    assert_one_line_error(proc, "CartPol-v1", "unknown")
-
-
-# ---------------------------------------------------------------- learning
 
 # CleanRL's defaults, with learning from step 1000 and a 30k-step budget (exploration then
 # decays over 15k steps). One intra-op thread: at these sizes a second one only adds

@@ -1,8 +1,5 @@
-"""DQN on Atari (envpool): the frame buffers of both scripts against a buffer of whole stacks over
-real games (lost lives, game overs, truncations, several envs, a ring that wraps), sampling that
-never draws envpool's reset steps, the lean update against the plain script's step and compiled
-against eager, the two scripts' whole runs given the same random draws, a changed network, and
-the bad-input lines. No learning test: Breakout needs hours here (the CartPole pair has one)."""
+"""DQN on Atari (envpool): the frame buffers against whole stacks over real games, sampling that skips reset
+steps, the update (lean against plain, compiled against eager), a changed network. No learning test (hours)."""
 
 import copy
 import glob
@@ -13,26 +10,16 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-from conftest import NumpyDrawingAsLean, assert_same_run, load_script, main_in_process, recorded_runs, scripts
+from conftest import (
+    assert_dqn_step_is_the_plain_step,
+    dqn_learner,
+    main_in_process,
+)
 
 import leanrl_utils
 
-PLAIN_PATH, LEAN_PATH = scripts("dqn_atari_envpool.py")[0], scripts("dqn_atari_envpool_torchcompile.py")[0]
-BOTH = [PLAIN_PATH, LEAN_PATH]
+FAMILY = "dqn_atari_envpool"
 
-
-@pytest.fixture(scope="module")
-def plain():
-    return load_script(PLAIN_PATH)
-
-
-@pytest.fixture(scope="module")
-def lean():
-    return load_script(LEAN_PATH)
-
-
-# ---------------------------------------------------------------- frame buffer
 
 NUM_ENVS, STEPS, ROWS = 3, 400, 64
 
@@ -107,11 +94,9 @@ def buffers(plain, lean):
 @pytest.mark.parametrize("steps_taken", [40, STEPS], ids=["filling", "wrapped"])
 @pytest.mark.parametrize("which", ["plain", "lean"])
 def test_frame_buffer_rebuilds_every_stack(plain, lean, games, which, steps_taken):
-    """Every transition the buffer may sample (all but the newest row and, once the ring wraps,
-    its 3 oldest) gives back exactly the obs and next_obs stacks envpool returned, with its
-    action, reward and done, in every env: across lost lives (envpool pushes the first frame of
-    the next life on the old stack), game overs and truncations (the new game's stack is its first
-    frame 4 times), and after the ring has wrapped 6 times. Reset steps are marked skipped."""
+    """Every sampleable transition gives back the obs and next_obs stacks envpool returned, with its
+    action, reward and done, across lost lives, game overs, truncations and a ring wrapped 6 times;
+    reset steps are marked skipped."""
     rb, stacks = buffers(plain, lean)[which == "lean"]
     steps = games[:steps_taken]
     resets = fill(rb, steps)
@@ -185,9 +170,6 @@ def test_check_memory_refuses_a_buffer_that_does_not_fit(plain, lean, monkeypatc
         assert not (tmp_path / "runs").exists()
 
 
-# ---------------------------------------------------------------- update
-
-
 def update_case(lean, num_seeds, num_envs=2, rows=40):
     """A filled lean storage of random frames (some rows begin games) with seeds' networks."""
     g = torch.Generator().manual_seed(0)
@@ -210,14 +192,6 @@ def update_case(lean, num_seeds, num_envs=2, rows=40):
     return nets, targets, storage, batches
 
 
-def lean_update(lean, nets, targets, storage, gamma=0.99, learning_rate=1e-4):
-    nets, targets = copy.deepcopy(nets), copy.deepcopy(targets)
-    params, target_params = leanrl_utils.seeds.stack(nets), leanrl_utils.seeds.stack(targets)
-    optimizer = leanrl_utils.optimizers.Adam(params.items(), learning_rate)
-    update = lean.make_update(nets[0], dict(target_params.items()), optimizer, storage, gamma, len(nets))
-    return nets, update
-
-
 # One seed runs the module's own ops: bit for bit; stacked seeds run vmapped (grouped) convolutions.
 EXACT = {1: dict(rtol=0, atol=0), 2: dict(rtol=1e-5, atol=1e-6)}
 
@@ -228,7 +202,7 @@ def test_lean_update_is_the_plain_update(plain, lean, num_seeds):
     the plain script's step written out as in dqn_atari_envpool.py (its buffer's stacks,
     loss.backward, optim.Adam), per seed on its own columns: bit for bit for one seed."""
     nets, targets, storage, batches = update_case(lean, num_seeds)
-    seed_nets, update = lean_update(lean, nets, targets, storage)
+    seed_nets, *_, update = dqn_learner(lean, nets, targets, storage, learning_rate=1e-4)
     refs = [(copy.deepcopy(net), copy.deepcopy(target)) for net, target in zip(nets, targets)]
     optimizers = [torch.optim.Adam(q.parameters(), lr=1e-4) for q, _ in refs]
     rb = plain.ReplayBuffer(40 * num_seeds * 2, num_seeds * 2)  # the plain buffer's stacks over the same storage
@@ -237,38 +211,30 @@ def test_lean_update_is_the_plain_update(plain, lean, num_seeds):
         metrics = update(idx)
         for k, ((q_ref, target_ref), optimizer) in enumerate(zip(refs, optimizers)):
             rows, cols = idx.view(2, num_seeds, -1)[:, k].numpy()
-            obs = torch.from_numpy(rb.stacks(rows, cols))
-            next_obs = torch.from_numpy(rb.stacks((rows + 1) % 40, cols))
-            with torch.no_grad():
-                target_max, _ = target_ref(next_obs).max(dim=1)
-                td_target = storage["rewards"][rows, cols] + 0.99 * target_max * (1 - storage["dones"][rows, cols])
-            old_val = q_ref(obs).gather(1, storage["actions"][rows, cols].unsqueeze(1)).squeeze(1)
-            loss = F.mse_loss(td_target, old_val)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            torch.testing.assert_close(metrics[0, k], loss.detach(), **EXACT[num_seeds])
-            torch.testing.assert_close(metrics[1, k], old_val.mean().detach(), **EXACT[num_seeds])
-            for name, value in q_ref.state_dict().items():
-                torch.testing.assert_close(seed_nets[k].state_dict()[name], value, **EXACT[num_seeds], msg=name)
+            obs, next_obs = (torch.from_numpy(rb.stacks(r, cols)) for r in (rows, (rows + 1) % 40))
+            batch = (
+                obs,
+                storage["actions"][rows, cols],
+                next_obs,
+                storage["rewards"][rows, cols],
+                storage["dones"][rows, cols],
+            )
+            assert_dqn_step_is_the_plain_step(
+                metrics[:, k], (q_ref, target_ref), optimizer, batch, 0.99, seed_nets[k], EXACT[num_seeds]
+            )
 
 
 def test_compiled_update_matches_eager(lean):
-    """Compiled (as the script compiles it on a CPU) against eager from the same parameters on the
-    same batches: rtol 1e-5 and atol 1e-5 (float32, the compiled graph reorders the reductions;
-    Adam turns that into up to 3e-6, a 3% of its 1e-4 step, in 5 of the 1.7M weights, where a
-    gradient is near zero; the metrics differed by at most 5e-7)."""
+    """Compiled against eager on the same batches (rtol and atol 1e-5: Adam turns reordered sums into
+    up to 3e-6 in 5 of 1.7M weights where a gradient is near zero; metrics within 5e-7)."""
     nets, targets, storage, batches = update_case(lean, 1)
-    eager_nets, eager = lean_update(lean, nets, targets, storage)
-    compiled_nets, compiled = lean_update(lean, nets, targets, storage)
+    eager_nets, *_, eager = dqn_learner(lean, nets, targets, storage, learning_rate=1e-4)
+    compiled_nets, *_, compiled = dqn_learner(lean, nets, targets, storage, learning_rate=1e-4)
     compiled = torch.compile(compiled, options={"guard_filter_fn": leanrl_utils.speed.value_guards, "cpp_wrapper": True})
     for idx in batches:
         torch.testing.assert_close(compiled(idx), eager(idx), rtol=1e-5, atol=1e-5)
     for name, value in eager_nets[0].state_dict().items():
         torch.testing.assert_close(compiled_nets[0].state_dict()[name], value, rtol=1e-5, atol=1e-5, msg=name)
-
-
-# ---------------------------------------------------------------- a changed network
 
 
 def changed_network(lean, activation=nn.Tanh):
@@ -291,10 +257,8 @@ def changed_network(lean, activation=nn.Tanh):
 
 @pytest.mark.parametrize("num_seeds", [1, 3])
 def test_a_changed_network_acts_as_its_module(lean, monkeypatch, num_seeds, capsys):
-    """make_policy, derived from the module (`seeds_forward`), acts greedily on each seed's own
-    changed module: exactly for one seed, the same actions stacked (vmapped convolutions,
-    torch's float32 default tolerance on the Q-values). There is no numpy form of a convolution:
-    `numpy_forward` refuses it in one line, naming the layer."""
+    """make_policy acts greedily on each seed's changed module (exact for one seed, float32 default
+    stacked); numpy_forward refuses the convolution in one line naming it."""
     monkeypatch.setattr(lean, "QNetwork", changed_network(lean))
     torch.manual_seed(0)
     nets = [lean.QNetwork(4) for _ in range(num_seeds)]
@@ -328,46 +292,3 @@ def test_a_changed_network_trains_and_saves(lean, monkeypatch, tmp_path, capsys)
         saved = torch.load(path, weights_only=True)["model"]["q_network"]
         assert saved["network.0.weight"].shape == (16, 4, 8, 8) and saved["network.7.weight"].shape == (64, 128)
         assert all(v.isfinite().all() for v in saved.values())
-
-
-# ---------------------------------------------------------------- whole run
-
-
-def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path):
-    """Given the same random numbers, the two scripts make the same run: the same games, initial
-    weights, epsilon-greedy actions, stored frames, sampled stacks (redraws of reset steps
-    included), TD targets, Adam steps and target copies, over 600 steps of 2 envs with a ring
-    that wraps. They differ only in how they draw (blocks of steps in torch against a step's in
-    numpy) and in float rounding."""
-    monkeypatch.chdir(tmp_path)
-    args = dict(
-        num_envs=2, total_timesteps=600, learning_starts=200, buffer_size=300, batch_size=16, target_network_frequency=100
-    )
-    monkeypatch.setattr(plain, "np", NumpyDrawingAsLean(draw_steps=256))
-    plain_run, lean_run = recorded_runs([plain, lean], args, monkeypatch)
-    assert len(lean_run[0]) == 6
-    assert_same_run(plain_run, lean_run, ["losses/td_loss", "losses/q_values", "charts/epsilon"], weights_atol=1e-5)
-
-
-# ---------------------------------------------------------------- bad input
-
-
-@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
-@pytest.mark.parametrize(
-    "argv,words",
-    [
-        (["--env-id", "CartPole-v1"], ["CartPole-v1", "Atari"]),
-        (["--buffer-size", "10", "--batch-size", "4"], ["--buffer-size 10", "16"]),
-        (["--learning-starts", "1"], ["--learning-starts 1", "2"]),
-        (["--batch-size", "300"], ["--batch-size 300", "--buffer-size 200"]),
-    ],
-    ids=["not-atari", "small-buffer", "learning-starts", "batch"],
-)
-def test_bad_input_is_one_line(path, argv, words, plain, lean, monkeypatch, tmp_path, capsys):
-    module = plain if path == PLAIN_PATH else lean
-    assert main_in_process(module, *argv, tmp_path=tmp_path, monkeypatch=monkeypatch) == 2
-    out, err = capsys.readouterr()
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "Traceback" not in err and out.strip() == "", err
-    for word in words:
-        assert word.lower() in errors[0].lower(), errors[0]

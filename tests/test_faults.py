@@ -1,38 +1,59 @@
 """Nothing lost, nothing silent (every script, from a glob): bad input ends in one `error:` line
-and exit status 2 before any training; SIGINT and SIGTERM save a finite checkpoint and print the
-summary; checkpoints load as tensors only; the plumbing lives once, in leanrl_utils."""
+and exit status 2 before any training (flag rules, exp names, seeds below 2**31, --dist-timeout,
+open files for --num-seeds, malformed checkpoints), and a refusal leaves no run folder; SIGINT and
+SIGTERM save a finite checkpoint and print the summary; checkpoints load as tensors only; the
+plumbing lives once, in leanrl_utils."""
 
 import contextlib
 import importlib
-import json
 import os
 import pickle
 import pkgutil
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import tyro
 from conftest import (
     TINY,
     assert_refused_before_work,
     family,
     is_lean,
+    last_summary,
     load_script,
     main_in_process,
+    pair,
     run_script,
-    script_command,
     scripts,
+    start_long_run,
+    stop_and_read,
+    tiny_args,
+    wait_for,
 )
 
 import leanrl_utils
 
+try:
+    import resource
+except ImportError:  # Windows
+    resource = None
+
 ALL = scripts("*.py")
 PLAIN = [s for s in ALL if not is_lean(s)]
+DQN, DQN_LEAN = pair("dqn")
+SEEDED = [s for s in ALL if "num_seeds" in load_script(s).Args.__dataclass_fields__]
+DISTRIBUTED = [s for s in ALL if "dist_timeout" in load_script(s).Args.__dataclass_fields__]
+
+
+def assert_refused(code, capsys, *words):
+    """assert_refused_before_work, where the run may have started (its folder exists)."""
+    return assert_refused_before_work(code, capsys, None, *words, started=True)
+
+
+def no_run_folder(tmp_path):
+    return not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
 
 # flag -> values that each break its rule; a script is tried on every flag its Args has.
 BAD = {
@@ -52,6 +73,7 @@ BAD = {
     "tau": ["2", "0"],
     "eval_episodes": ["-1"],
     "max_grad_norm": ["inf"],
+    "policy_frequency": ["0"],
 }
 CASES = [
     (script, flag, value)
@@ -67,13 +89,7 @@ def test_bad_flag_is_one_line_before_any_work(script, flag, value, tmp_path, mon
     code = main_in_process(
         load_script(script), f"--{flag.replace('_', '-')}", value, tmp_path=tmp_path, monkeypatch=monkeypatch
     )
-    assert_refused_before_work(code, capsys, tmp_path, f"--{flag.replace('_', '-')}")
-
-
-@pytest.mark.parametrize("script", ALL, ids=lambda s: s.stem)
-def test_zero_budget_without_a_checkpoint_is_one_line(script, tmp_path, monkeypatch, capsys):
-    code = main_in_process(load_script(script), "--total-timesteps", 0, tmp_path=tmp_path, monkeypatch=monkeypatch)
-    assert_refused_before_work(code, capsys, tmp_path, "--total-timesteps")
+    assert_refused_before_work(code, capsys, tmp_path, f"--{flag.replace('_', '-')} {value}")
 
 
 @pytest.mark.parametrize("script", ALL, ids=lambda s: s.stem)
@@ -88,6 +104,131 @@ def test_unwritable_run_folder_fails_at_start(script, tmp_path, monkeypatch, cap
     (tmp_path / "runs").write_text("a file where the runs folder should be")
     code = main_in_process(load_script(script), "--save-model", tmp_path=tmp_path, monkeypatch=monkeypatch)
     assert_refused_before_work(code, capsys, tmp_path, "runs/", started=True)
+
+
+@pytest.mark.parametrize("name", ["../../escape", "", "sweep/lr1", ".hidden", "..", "a\\b", "tab\there"])
+def test_exp_name_must_be_a_plain_file_name(name, tmp_path, monkeypatch, capsys):
+    code = main_in_process(load_script(DQN), "--exp-name", name, tmp_path=tmp_path, monkeypatch=monkeypatch)
+    assert_refused(code, capsys, "--exp-name")
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("value", ["nan", "-5", "inf", "0"])
+@pytest.mark.parametrize("script", DISTRIBUTED, ids=lambda s: s.stem)
+def test_dist_timeout_must_be_finite_and_positive(script, value, tmp_path, monkeypatch, capsys):
+    code = main_in_process(load_script(script), "--dist-timeout", value, tmp_path=tmp_path, monkeypatch=monkeypatch)
+    assert_refused(code, capsys, "--dist-timeout")
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("seed", [4294967295, 2**31 - 5, -1])
+@pytest.mark.parametrize("script", ALL, ids=lambda s: s.stem)
+def test_every_derived_seed_stays_below_2_31(script, seed, tmp_path, monkeypatch, capsys):
+    code = main_in_process(load_script(script), "--seed", seed, tmp_path=tmp_path, monkeypatch=monkeypatch)
+    assert_refused(code, capsys, "--seed", "2**31")
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_the_seed_limit_counts_seeds_envs_ranks_and_evaluation(world_size, monkeypatch, capsys):
+    """seed + WORLD_SIZE + num_seeds * num_envs + 10000 (evaluation's seed) < 2**31."""
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    limit = 2**31 - (world_size + 3 * 2 + 10_000)
+    leanrl_utils.checks.flags(tiny_args(DQN_LEAN, "--num-seeds", 3, "--num-envs", 2, "--seed", limit - 1))
+    with pytest.raises(SystemExit):
+        leanrl_utils.checks.flags(tiny_args(DQN_LEAN, "--num-seeds", 3, "--num-envs", 2, "--seed", limit))
+    assert str(limit) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script", SEEDED, ids=lambda s: s.stem)
+def test_num_seeds_beyond_the_open_file_limit_is_refused_first(script, tmp_path, monkeypatch, capsys):
+    """Each seed's run folder holds files open (curve, events, ...): refused before any folder is
+    made or anything big allocated (a script's memory check may refuse first)."""
+    with open_file_limit(1024):
+        code = main_in_process(load_script(script), "--num-seeds", 100_000, tmp_path=tmp_path, monkeypatch=monkeypatch)
+    assert_refused(code, capsys, "--num-seeds")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_open_file_check_counts_files_per_seed(capsys):
+    with open_file_limit(1024):
+        leanrl_utils.checks.open_files(100)
+        with pytest.raises(SystemExit):
+            leanrl_utils.checks.open_files(100_000)
+    assert "open files" in capsys.readouterr().err
+
+
+@contextlib.contextmanager
+def open_file_limit(limit):
+    """At most `limit` open files (the common default) for the block."""
+    if resource is None:
+        pytest.skip("no RLIMIT_NOFILE on this platform")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(limit, soft), hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def malformed(good):
+    """name -> (checkpoint, words its refusal names) for checkpoints of the right algorithm."""
+    algorithm, env_id, model = good["algorithm"], good["env_id"], good["model"]
+    network, weights = next(iter(model.items()))
+    name = next(k for k, v in weights.items() if v.is_floating_point())
+
+    def with_weight(value):
+        return {**model, network: {**weights, name: torch.full_like(weights[name], value)}}
+
+    def checkpoint(**fields):
+        return {"algorithm": algorithm, "env_id": env_id, "model": model, **fields}
+
+    return {
+        "only_algorithm": ({"algorithm": algorithm}, []),
+        "no_model": ({"algorithm": algorithm, "env_id": env_id}, []),
+        "no_env_id": ({"algorithm": algorithm, "model": model}, []),
+        "env_id_not_a_string": (checkpoint(env_id=5), []),
+        "model_a_list": (checkpoint(model=[1, 2]), []),
+        "model_none": (checkpoint(model=None), []),
+        "network_a_list": (checkpoint(model={**model, network: [1.0]}), []),
+        "weight_named_by_a_number": (checkpoint(model={**model, network: {0: weights[name]}}), []),
+        "weight_a_number": (checkpoint(model={**model, network: {**weights, name: 1.5}}), []),
+        "nan_weights": (checkpoint(model=with_weight(float("nan"))), ["non-finite"]),
+        "inf_weights": (checkpoint(model=with_weight(float("inf"))), ["non-finite"]),
+        "not_a_dict": ([algorithm, env_id, model], []),
+    }
+
+
+@pytest.mark.parametrize("script", [DQN, pair("ppo_continuous_action")[1]], ids=lambda s: s.stem)
+def test_a_malformed_checkpoint_is_one_line(script, tmp_path, monkeypatch, capsys):
+    module = load_script(script)
+    assert main_in_process(module, "--save-model", tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
+    (saved,) = tmp_path.glob("runs/*/*.pt")
+    good = torch.load(saved, weights_only=True)
+    capsys.readouterr()
+    for name, (checkpoint, words) in malformed(good).items():
+        path = tmp_path / f"{name}.pt"
+        torch.save(checkpoint, path)
+        code = main_in_process(module, "--load-model", path, tmp_path=tmp_path, monkeypatch=monkeypatch)
+        assert_refused(code, capsys, f"{name}.pt", *words)
+
+
+@pytest.mark.parametrize(
+    "script,argv,words",
+    [
+        (DQN, ["--env-id", "NoSuchEnv-v0"], ["NoSuchEnv-v0"]),
+        (DQN, ["--buffer-size", 10**13], ["--buffer-size"]),
+        (DQN, ["--load-model", "other.pt"], ["other.pt"]),
+        (DQN_LEAN, ["--env-id", "NoSuchEnv-v0"], ["NoSuchEnv-v0"]),
+        (pair("sac_continuous_action")[0], ["--env-id", "CartPole-v1"], ["CartPole-v1"]),
+    ],
+    ids=lambda x: getattr(x, "stem", None),
+)
+def test_a_refusal_leaves_no_run_folder(script, argv, words, tmp_path, monkeypatch, capsys):
+    torch.save({"algorithm": "other", "env_id": "CartPole-v1", "model": {}}, tmp_path / "other.pt")
+    code = main_in_process(load_script(script), *argv, tmp_path=tmp_path, monkeypatch=monkeypatch)
+    assert_refused(code, capsys, *words)
+    assert no_run_folder(tmp_path), list((tmp_path / "runs").rglob("*"))
 
 
 class RunsCode:
@@ -130,8 +271,7 @@ def test_only_finite_weights_are_saved(script, tmp_path, monkeypatch, capsys):
     point; with none, nothing is saved and a line says so. After a non-finite loss it keeps the
     last good ones and exits 1."""
     monkeypatch.chdir(tmp_path)
-    module = load_script(script)
-    args = tyro.cli(module.Args, args=[*TINY[family(script)], "--save-model"])
+    args = tiny_args(script, "--save-model")
     net = torch.nn.Linear(2, 2)
     for last_good, stop_reason, expected in [
         (None, None, "saved"),
@@ -151,52 +291,13 @@ def test_only_finite_weights_are_saved(script, tmp_path, monkeypatch, capsys):
         with pytest.raises(SystemExit) if stop_reason else contextlib.nullcontext():
             run.finish(0, 0, {"net": net}, None, device="cpu")
         out, err = capsys.readouterr()
-        summary = json.loads(out.strip().splitlines()[-1], parse_constant=pytest.fail)
+        summary = last_summary(out)
         if expected is None:
             assert summary["checkpoint"] is None and "no checkpoint" in err
             continue
         weight = torch.load(summary["checkpoint"], weights_only=True)["model"]["net"]["weight"]
         assert torch.isfinite(weight).all()
         assert torch.all(weight == (7.0 if expected == "last" else 1.0))
-
-
-def start_long_run(script, workdir, *extra, before=None):
-    """The script at its tiny settings but `extra`, in the background; `before`: Python source
-    that its process runs first."""
-    tiny = TINY[family(script)]
-    i = tiny.index("--total-timesteps")
-    argv = [*tiny[:i], *tiny[i + 2 :], *map(str, extra)]
-    command = script_command(script, before=before) if before else [sys.executable, str(script)]
-    # A shell without job control starts background jobs with SIGINT ignored: give the script the
-    # default disposition, as in a terminal.
-    return subprocess.Popen(
-        [*command, *argv],
-        cwd=workdir,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
-
-
-def wait_for(proc, text, timeout=180):
-    seen, deadline = "", time.time() + timeout
-    while text not in seen and time.time() < deadline and proc.poll() is None:
-        seen += os.read(proc.stderr.fileno(), 4096).decode(errors="replace")
-    assert text in seen, seen
-    return seen
-
-
-def stop_and_read(proc, signum, seen, send=True):
-    """Send `signum` (or, with send=False, wait for the one the script sends itself); the exit
-    status it stands for, no traceback; returns the summary."""
-    if send:
-        proc.send_signal(signum)
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signum, (proc.returncode, seen + stderr)
-    assert "Traceback" not in stderr, stderr
-    return json.loads(stdout.strip().splitlines()[-1], parse_constant=pytest.fail)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
@@ -227,30 +328,24 @@ sys.setprofile(profile)
 def test_signal_during_evaluation_still_prints_the_summary(script, signum, workdir):
     summary, _ = run_script(script, *TINY[family(script)], "--save-model", cwd=workdir)
     before = SIGNAL_IN_EVALUATION.format(signum=int(signum))
-    proc = start_long_run(
-        script,
-        workdir,
-        "--total-timesteps",
-        0,
-        "--load-model",
-        summary["checkpoint"],
-        "--eval-episodes",
-        100_000,
-        before=before,
-    )
+    argv = ["--total-timesteps", 0, "--load-model", summary["checkpoint"], "--eval-episodes", 100_000]
+    proc = start_long_run(script, workdir, *argv, before=before)
     summary = stop_and_read(proc, signum, "", send=False)
     assert summary["interrupted"] is True and summary["eval_return"] is None
 
 
 @pytest.mark.parametrize("script", PLAIN, ids=lambda s: s.stem)
-def test_interrupt_inside_an_import_is_an_interrupt(script, workdir):
-    """A Ctrl-C that lands inside an import while the script sets up comes out as the cause of a
-    RuntimeError (Python 3.11, a `__set_name__` interrupted: building a torch optimizer imports
-    torch._dynamo). It still ends as an interrupted run: summary, exit 130, no traceback."""
+def test_ctrl_c_while_setting_up_is_an_interrupted_run(script, workdir):
+    """A Ctrl-C while the script builds its optimizer (after the run exists, before its loop) is
+    noted and acted on where the loop starts: summary, exit 130, no traceback, and no checkpoint
+    of weights that no update has changed."""
     before = (
-        "import torch.optim\n"
+        "import os, signal, torch.optim\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        "_init = torch.optim.Optimizer.__init__\n"
         "def interrupted(*args, **kwargs):\n"
-        "    raise RuntimeError('Error calling __set_name__') from KeyboardInterrupt()\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    _init(*args, **kwargs)\n"
         "torch.optim.Optimizer.__init__ = interrupted"
     )
     proc = start_long_run(script, workdir, "--total-timesteps", 10_000, "--save-model", before=before)

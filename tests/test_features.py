@@ -1,14 +1,25 @@
 """Research features every script has: checkpoints (atomic, loadable across the pair),
-evaluation, and offline tracking. Signals and bad input are in test_faults.py."""
+evaluation, offline tracking, video and CPU threads. Signals and bad input are in test_faults.py."""
 
 import math
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, family, is_lean, load_script, run_script, script_command, scripts
+from conftest import (
+    TINY,
+    assert_one_line_error,
+    family,
+    is_lean,
+    load_script,
+    main_in_process,
+    run_script,
+    run_without,
+    script_command,
+    script_env,
+    scripts,
+)
 
 ALL = scripts("*.py")
 PLAIN = [s for s in ALL if not is_lean(s)]
@@ -41,8 +52,6 @@ def test_checkpoint_round_trip_across_the_pair(script, workdir):
 
 @pytest.mark.parametrize("script", ALL, ids=lambda s: s.stem)
 def test_missing_checkpoint_is_one_line(script, workdir):
-    from conftest import assert_one_line_error
-
     _, proc = run_script(script, *TINY[family(script)], "--load-model", "nope.pt", cwd=workdir, check=False)
     assert_one_line_error(proc, "nope.pt")
 
@@ -64,7 +73,7 @@ def test_untracked_run_never_imports_wandb(script, workdir):
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env=script_env(),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -72,8 +81,6 @@ def test_untracked_run_never_imports_wandb(script, workdir):
 @pytest.mark.parametrize("script", ALL, ids=lambda s: s.stem)
 def test_capture_video_without_moviepy_is_one_line(script, workdir):
     """--capture-video without the `video` extra: one line naming it, before any training."""
-    from conftest import assert_one_line_error, run_without
-
     proc = run_without("moviepy", script, *TINY[family(script)], "--capture-video", cwd=workdir)
     assert_one_line_error(proc, "leanrl[video]")
 
@@ -81,8 +88,6 @@ def test_capture_video_without_moviepy_is_one_line(script, workdir):
 @pytest.mark.parametrize("flags, threads", [([], 1), (["--threads", "2"], 2)], ids=["default", "two"])
 def test_lean_scripts_choose_their_cpu_threads(flags, threads, tmp_path, monkeypatch):
     """One intra-op thread on a CPU unless --threads says more, whatever torch started with."""
-    from conftest import main_in_process
-
     before = torch.get_num_threads()
     try:
         for script in (s for s in scripts("*_torchcompile.py") if family(s) in ("dqn", "pqn", "pqn_torchenv")):

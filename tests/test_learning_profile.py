@@ -31,6 +31,23 @@ def test_plan_runs_plain_then_lean_compile_for_each_seed(learning):
     assert [(side, seed) for _, side, seed, _, _ in lean_only] == [("lean", 1), ("lean", 2)]
 
 
+def test_seeds_are_written_and_read_as_ranges(learning):
+    """A table's header says seeds as ranges, its Command line too; --seeds takes them back."""
+    assert learning.seed_ranges([3, 1, 2, 5, 7, 8, 180, 8]) == "1-3, 5, 7-8, 180"
+    assert learning.seed_ranges(range(1, 181)) == "1-180"
+    assert learning.seeds_arg("1-180") == list(range(1, 181)) and learning.seeds_arg("7") == [7]
+    results = [
+        {"pair": p, "side": "plain", "seed": s} for p, n in (("dqn", 15), ("ppo", 15), ("pqn", 180)) for s in range(1, n + 1)
+    ]
+    assert learning.seed_groups(results) == "1-15 (dqn, ppo); 1-180 (pqn)"
+    args = learning.argparse.Namespace(merge=None, quick=True, pairs=["pqn"], steps=None, sides=list(learning.SIDES))
+    out = learning.bench.ROOT / "benchmark" / "learning" / "quick"
+    assert (
+        learning.command(args, [1, 2, 3, 5], out)
+        == "`./run.sh --learning --quick --pairs pqn --seeds 1-3 5 --out benchmark/learning/quick`"
+    )
+
+
 def test_bootstrap_interval_holds_zero_only_when_it_should(learning):
     plain = [100.0, 110.0, 90.0, 105.0, 95.0]
     lo, hi = learning.bootstrap_interval(plain, [x + 1.0 for x in plain])
@@ -41,17 +58,10 @@ def test_bootstrap_interval_holds_zero_only_when_it_should(learning):
 
 def test_table_flags_a_difference(learning):
     results = [
-        {
-            "pair": "dqn",
-            "side": side,
-            "seed": s,
-            "env_id": "CartPole-v1",
-            "total_steps": 1000,
-            "episodic_return": r + (300 if side == "lean" else 0),
-        }
-        for s, r in enumerate([10.0, 20.0, 30.0])
-        for side in ("plain", "lean")
-    ]
+        {"pair": "dqn", "side": side, "seed": s, "env_id": "CartPole-v1", "total_steps": 1000,
+         "episodic_return": r + (300 if side == "lean" else 0)}
+        for s, r in enumerate([10.0, 20.0, 30.0]) for side in ("plain", "lean")
+    ]  # fmt: skip
     info = {"host": "x, 1 cores", "torch": "t", "command": "c", "profile": "quick", "seeds": [0, 1, 2], "wall": "0m01s"}
     row = next(line for line in learning.summarize(results, info).splitlines() if line.startswith("| dqn"))
     assert "20.0 ± 10.0 (n=3)" in row and "320.0 ± 10.0 (n=3)" in row and "+300.0" in row and "**no**" in row
@@ -76,18 +86,10 @@ def test_merge_makes_one_table_from_parts_and_takes_a_redone_run_from_the_last(l
         folder = tmp_path / f"part{part}"
         folder.mkdir()
         rows = [
-            {
-                "pair": "td3_continuous_action",
-                "side": side,
-                "seed": s,
-                "env_id": "HalfCheetah-v5",
-                "total_steps": 1000,
-                "episodic_return": 10.0 * s + (1 if side == "lean" else 0),
-                "curve": [[500, 1.0, 0.0], [1000, 2.0, 10.0 * s]],
-            }
-            for s in seeds
-            for side in ("plain", "lean")
-        ]
+            {"pair": "td3_continuous_action", "side": side, "seed": s, "env_id": "HalfCheetah-v5", "total_steps": 1000,
+             "episodic_return": 10.0 * s + (1 if side == "lean" else 0), "curve": [[500, 1.0, 0.0], [1000, 2.0, 10.0 * s]]}
+            for s in seeds for side in ("plain", "lean")
+        ]  # fmt: skip
         (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         (folder / "table.md").write_text(f"Machine: CPU {part}, 2 cores; torch 2.13.0. Command: ...\n")
         parts.append(str(folder))
@@ -97,7 +99,8 @@ def test_merge_makes_one_table_from_parts_and_takes_a_redone_run_from_the_last(l
     assert table.startswith("Machine: CPU 0, 2 cores and CPU 1, 2 cores; torch ")  # where the parts ran, each once
     assert learning.main(["--merge", *parts, "--out", str(out)]) == 0
     table = (out / "table.md").read_text()
-    assert "20.0 ± 10.0 (n=3)" in table and "21.0 ± 10.0 (n=3)" in table and "seeds [1, 2, 3]" in table
+    assert "20.0 ± 10.0 (n=3)" in table and "21.0 ± 10.0 (n=3)" in table and "Seeds: 1-3 (every pair run)." in table
+    assert "--merge DIR... --out" not in table and "part0" not in table  # the parts lie outside the repository
     assert "(profile `quick`" in table  # 1,000 steps is nearer TD3's quick budget than its full one
     assert len((out / "results.jsonl").read_text().splitlines()) == 6
     assert (out / "learning.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

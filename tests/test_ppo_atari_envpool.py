@@ -1,8 +1,6 @@
-"""PPO on Atari (envpool): the lean update against the plain script's update and compiled
-against eager, the masking of envpool's reset steps, GAE against CleanRL's loop, the sampling
-of the lean policy, the two scripts' whole runs given the same random draws, the whole-game
-returns over lives, the --target-kl rule in both scripts, the derived forms of a changed
-network, and the bad-input lines. No learning test: Breakout needs hours here."""
+"""PPO on Atari (envpool): the update (lean against plain, compiled against eager, reset steps masked), GAE,
+the policy's sampling, whole-game returns over lives, --target-kl in both scripts, a changed network, and
+the envpool extra. No learning test (hours)."""
 
 import copy
 import functools
@@ -17,46 +15,27 @@ import torch.nn as nn
 from conftest import (
     TINY,
     assert_one_line_error,
-    assert_same_run,
+    atari_batch,
     load_script,
     main_in_process,
-    recorded_runs,
+    pair,
     run_script,
     run_without,
-    scripts,
-    shuffle_as_lean,
+    stack_of_one,
+    unstacked,
 )
 
 import leanrl_utils
 
-PLAIN_PATH, LEAN_PATH = scripts("ppo_atari_envpool.py")[0], scripts("ppo_atari_envpool_torchcompile.py")[0]
-PAIR = [PLAIN_PATH, LEAN_PATH]
+FAMILY = "ppo_atari_envpool"
+PLAIN_PATH, LEAN_PATH = PAIR = pair(FAMILY)
 TINY_ARGS = dict(env_id="Breakout-v5", num_envs=2, num_steps=16, total_timesteps=64, num_minibatches=2, update_epochs=2)
 
 
-@pytest.fixture(scope="module")
-def plain():
-    return load_script(PLAIN_PATH)
-
-
-@pytest.fixture(scope="module")
-def lean():
-    return load_script(LEAN_PATH)
-
-
-def make_batch(n, n_act=4, seed=0):
-    """A flat rollout batch as the lean script feeds its update; about 1 step in 8 is a reset
-    step (valid 0)."""
-    g = torch.Generator().manual_seed(seed)
-    return (
-        torch.randint(0, 256, (n, 4, 84, 84), dtype=torch.uint8, generator=g),
-        torch.randint(0, n_act, (n,), generator=g),
-        -torch.rand(n, generator=g) - 1.0,
-        torch.randn(n, generator=g),
-        torch.randn(n, generator=g),
-        torch.randn(n, generator=g),
-        (torch.rand(n, generator=g) > 0.125).float(),
-    )
+def make_batch(n, seed=0):
+    """A rollout batch (`atari_batch`): old log-probabilities, advantages, returns and values."""
+    logprobs, normal = (lambda n, g: -torch.rand(n, generator=g) - 1.0), (lambda n, g: torch.randn(n, generator=g))
+    return atari_batch(n, seed, logprobs, normal, normal, normal)
 
 
 def agent_and_update(lean, args, source=None, compiled=False):
@@ -66,8 +45,8 @@ def agent_and_update(lean, args, source=None, compiled=False):
     if source is not None:
         agent.load_state_dict(source.state_dict())
     lr = torch.tensor(args.learning_rate)
-    optimizer = leanrl_utils.optimizers.Adam(agent.named_parameters(), lr, eps=1e-5, fused=not compiled)
-    return agent, lr, lean.make_update(agent, optimizer, args)
+    optimizer = leanrl_utils.optimizers.Adam(stack_of_one(agent), lr, eps=1e-5, fused=not compiled)
+    return agent, lr, unstacked(lean.make_update(agent, optimizer, args))
 
 
 def assert_same_parameters(agent_a, agent_b, **tolerance):
@@ -75,15 +54,9 @@ def assert_same_parameters(agent_a, agent_b, **tolerance):
         torch.testing.assert_close(b, a, msg=name, **tolerance)
 
 
-# ---------------------------------------------------------------- update numerics
-
-
 def test_compiled_update_matches_eager(lean):
-    """Same parameters, same batch, same minibatches: the compiled step (fullgraph, unfused Adam,
-    on the channels-last frames the script stores on a CPU) agrees with the eager step (fused
-    Adam, NCHW frames) to float32 round-off, with the learning rate annealed in place between
-    steps. Tolerance: metrics rtol 1e-4 / atol 1e-5; parameters after four Adam steps atol 1e-6
-    (an Adam step moves each weight by up to lr = 2.5e-4, so a wrong update shows far above)."""
+    """The compiled step (fullgraph, unfused Adam, channels-last frames as stored on a CPU) agrees
+    with the eager one (fused Adam, NCHW), the lr annealed in place (metrics 1e-4/1e-5, parameters atol 1e-6)."""
     torch.manual_seed(0)
     args = lean.Args()
     batch = make_batch(64)
@@ -102,14 +75,8 @@ def test_compiled_update_matches_eager(lean):
 
 
 def test_lean_update_is_the_plain_update(plain, lean):
-    """From the same parameters and minibatches, the lean step (torch.func gradient, clipping on
-    the gradients, the functional Adam with a tensor learning rate) and the plain script's step
-    (its Agent with torch.distributions.Categorical, its masked loss as written in
-    ppo_atari_envpool.py, `loss.backward()`, `nn.utils.clip_grad_norm_`, `optim.Adam(eps=1e-5)`)
-    give the same metrics and parameters, with the learning rate annealed between steps. A small
-    max_grad_norm makes the clipping bite. Tolerance rtol 1e-4 (the two compute log-softmax and
-    entropy with different float32 ops), atol 1e-6 on parameters that each Adam step moves by up
-    to 2.5e-4."""
+    """The lean step against the plain script's masked step as written in ppo_atari_envpool.py, the
+    lr annealed and the clipping biting (rtol 1e-4: log-softmax and entropy in other float32 ops; atol 1e-6)."""
     torch.manual_seed(0)
     args = lean.Args(max_grad_norm=0.05)
     agent, lr, update = agent_and_update(lean, args)
@@ -196,9 +163,6 @@ def test_explained_variance_is_the_plain_scripts(lean):
     assert lean.explained_variance(values, torch.ones(256), valid).isnan()
 
 
-# ---------------------------------------------------------------- GAE and policy
-
-
 def cleanrl_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda):
     """CleanRL's loop verbatim: `dones[t]` is the done seen before acting at step t."""
     num_steps = rewards.shape[0]
@@ -253,9 +217,6 @@ def test_policy_samples_the_categorical_it_reports(lean):
     torch.testing.assert_close(logprobs, expected.log_prob(actions))
 
 
-# ---------------------------------------------------------------- a changed network
-
-
 def other_agent(lean):
     """The lean Agent as a researcher might change it: two convolutions of other widths, Tanh
     for ReLU, an extra Linear layer, and heads of another width (forward: the script's own)."""
@@ -282,12 +243,9 @@ def other_agent(lean):
 
 @pytest.mark.parametrize("num_seeds", [1, 3])
 def test_a_changed_network_acts_as_the_module_does(lean, monkeypatch, num_seeds):
-    """The policy the script derives from its Agent (`seeds_forward` over the stacked seeds)
-    follows a changed Agent: each seed's block of frames gets that seed's module's value, and the
-    action and log-probability of its logits under the same Gumbel noise. One seed (a stack of
-    one) runs the module's own ops: bit for bit. Stacked seeds run vmapped (grouped)
-    convolutions: torch's float32 default tolerance, and the same actions. Atari has no numpy
-    acting."""
+    """The policy derived from a changed Agent gives each seed's block that seed's value, and the
+    action and log-probability of its logits under the same Gumbel noise: bit for bit for one seed,
+    float32 default tolerance stacked (grouped convolutions). Atari has no numpy acting."""
     monkeypatch.setattr(lean, "Agent", other_agent(lean))
     torch.manual_seed(0)
     agents = [lean.Agent(4) for _ in range(num_seeds)]
@@ -311,11 +269,8 @@ def test_a_changed_network_acts_as_the_module_does(lean, monkeypatch, num_seeds)
 
 @pytest.mark.parametrize("num_seeds", [1, 2])
 def test_a_changed_network_trains_each_seed_on_its_own(lean, monkeypatch, tmp_path, num_seeds):
-    """The update the script derives from a changed Agent (`make_update` with stacked seeds, as
-    `main` builds it): each seed takes, in one step, the step its own unstacked update takes. One
-    seed (a stack of one) runs the agent's own ops: bit for bit. Two seeds (the gradient vmapped):
-    rtol 1e-5 / atol 1e-6, float32 summed in another order, as in test_num_seeds. A whole
-    --num-seeds run then saves each seed's changed agent."""
+    """The update derived from a changed Agent takes, per seed, the step its own unstacked update takes
+    (one seed bit for bit, two within 1e-5/1e-6), and a --num-seeds run saves each seed's changed agent."""
     monkeypatch.setattr(lean, "Agent", other_agent(lean))
     torch.manual_seed(0)
     args = lean.Args(max_grad_norm=0.05)
@@ -338,57 +293,6 @@ def test_a_changed_network_trains_each_seed_on_its_own(lean, monkeypatch, tmp_pa
     assert main_in_process(lean, "--num-seeds", num_seeds, "--save-model", tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
     saved = [torch.load(path, weights_only=True)["model"]["agent"] for path in sorted(tmp_path.glob("runs/*/*.pt"))]
     assert len(saved) == num_seeds and all(s["network.7.weight"].shape == (128, 256) for s in saved)
-
-
-# ---------------------------------------------------------------- whole run
-
-
-class GumbelCategorical(torch.distributions.Categorical):
-    """Categorical whose sample is the lean policy's Gumbel-max draw (one torch.rand_like over
-    the logits): the plain script then takes its actions from the same random numbers."""
-
-    def sample(self, sample_shape=torch.Size()):
-        return (self.logits - (-torch.rand_like(self.logits).log()).log()).argmax(-1)
-
-
-def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path):
-    """Given the same random numbers and the same frame layout, the two scripts make the same
-    run: the same envs, initial weights, actions, rollout bookkeeping (envpool's reset steps),
-    GAE, learning-rate annealing, minibatch order, losses and Adam steps, for 4 iterations of
-    8 minibatch updates. So the scripts differ only in how they draw (Gumbel-max against
-    torch.multinomial, torch.randperm against np.random.shuffle: two ways to sample the same
-    distributions) and in float rounding.
-
-    The plain script is patched to draw as the lean one does and to feed its update
-    channels-last frames as the lean one does on a CPU. Without the layout the runs drift
-    apart by rounding alone: the first convolution's gradient is a sum that cancels to about
-    1e-4 of its terms, so the two layouts' gradients differ in their 4th digit, and after 32
-    Adam steps the weights differ by up to 5% of a tensor's largest (value loss 0.8%). With
-    it, the losses agree to 3e-7 and the weights to 1e-5."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(plain, "Categorical", GumbelCategorical)
-    monkeypatch.setattr(plain.np.random, "shuffle", shuffle_as_lean)
-    get_value, get_action_and_value = plain.Agent.get_value, plain.Agent.get_action_and_value
-
-    def get_value_drawing(self, x):
-        # The lean script bootstraps through its policy, which draws (unused) Gumbel noise.
-        torch.rand(len(x), self.actor.out_features)
-        return get_value(self, x)
-
-    def channels_last_update(self, x, action=None):
-        if action is not None:  # the update's minibatch
-            x = x.contiguous(memory_format=torch.channels_last)
-        return get_action_and_value(self, x, action)
-
-    monkeypatch.setattr(plain.Agent, "get_value", get_value_drawing)
-    monkeypatch.setattr(plain.Agent, "get_action_and_value", channels_last_update)
-    args = dict(env_id="Breakout-v5", num_envs=4, num_steps=64, total_timesteps=1024, num_minibatches=4, update_epochs=2)
-    plain_run, lean_run = recorded_runs([plain, lean], args, monkeypatch)
-    assert len(lean_run[0]) == 4
-    assert_same_run(plain_run, lean_run, [*lean.METRICS, "charts/learning_rate", "losses/explained_variance"])
-
-
-# ---------------------------------------------------------------- episodes
 
 
 class ScriptedAtari(gym.vector.VectorEnv):
@@ -426,13 +330,9 @@ class ScriptedAtari(gym.vector.VectorEnv):
 
 @pytest.mark.parametrize("script", PAIR, ids=lambda s: s.stem)
 def test_returns_count_whole_games_over_lives(script):
-    """Env 0 plays a 3-life game: lost lives end episodes (terminated) but not the game; the
-    game's raw return over all lives is charted once, at the step where envpool says the game
-    is over. Env 1 is cut by the step limit (truncated), which also ends its game. The charts
-    come from leanrl_utils' `Run.episodes`, fed the wrapper's infos as the loop feeds them; both
-    scripts make their envs with leanrl_utils' `envpool_envs`, which wraps them in this wrapper."""
-    assert load_script(script).envpool_envs is leanrl_utils.vector.envpool_envs
-    module = leanrl_utils
+    """Lost lives end episodes but not the game: a game's raw return over all its lives is charted
+    once, when envpool says it is over; a truncation ends the game too (leanrl_utils' `Run.episodes`)."""
+    assert load_script(script).vector.envpool_envs is leanrl_utils.vector.envpool_envs
     #        (reward, terminated, truncated, lives, game over)
     steps = [
         [(1, False, False, 3, 0), (1, False, False, 5, 0)],
@@ -444,21 +344,19 @@ def test_returns_count_whole_games_over_lives(script):
         [(1, True, False, 0, 1), (0, False, False, 5, 0)],  # env 0: last life lost, game over
         [(0, False, False, 3, 0), (0, False, False, 5, 0)],  # env 0 reset step (new game)
     ]
-    envs = module.RecordEpisodeStatistics(ScriptedAtari(steps))
+    envs = leanrl_utils.vector.RecordEpisodeStatistics(ScriptedAtari(steps))
     charted = []
-    run = types.SimpleNamespace(returns=[], scalars=lambda step, values: charted.append((step, values)))
-    run.finished, run.record = module.Run.finished, functools.partial(module.Run.record, run)
+    run = types.SimpleNamespace(returns=[], points=charted)
+    run.record = functools.partial(leanrl_utils.Run.record, run)
     envs.reset()
     for t in range(len(steps)):
         *_, infos = envs.step(np.zeros(2, dtype=np.int64))
-        module.Run.episodes(run, t, infos)
+        leanrl_utils.Run.episodes(run, t, infos)
     assert charted == [
         (2, {"charts/episodic_return": 20.0, "charts/episodic_length": 3}),
         (6, {"charts/episodic_return": 30.0, "charts/episodic_length": 7}),
     ]
 
-
-# ---------------------------------------------------------------- --target-kl
 
 # Per minibatch, the log-ratio both scripts are made to see; approx_kl = exp(c) - 1 - c. With
 # --target-kl 0.01 and 2 minibatches per epoch: iteration 1 sees 0.050, 0.001 (the epoch's mean
@@ -520,41 +418,10 @@ def test_target_kl_stops_both_scripts_at_the_same_epoch(plain, lean, monkeypatch
     assert len(summaries) == 2 and all('"updates": 6' in s for s in summaries), summaries
 
 
-# ---------------------------------------------------------------- bad input and features
-
-
 @pytest.mark.parametrize("script", PAIR, ids=lambda s: s.stem)
 def test_missing_envpool_is_one_line_naming_the_extra(script, workdir):
     proc = run_without("envpool", script, *TINY["ppo_atari_envpool"], cwd=workdir)
-    assert_one_line_error(proc, "envpool", "pip install 'leanrl[atari]'")
-    assert proc.returncode == 2
-
-
-@pytest.mark.parametrize("env_id", ["Breakoutt-v5", "ALE/Breakout-v5", "CartPole-v1"])
-@pytest.mark.parametrize("script", PAIR, ids=lambda s: s.stem)
-def test_unknown_atari_id_is_one_line(script, env_id, workdir):
-    """A typo, gymnasium's ALE spelling, and an envpool id that is no Atari game."""
-    _, proc = run_script(script, *TINY["ppo_atari_envpool"], "--env-id", env_id, cwd=workdir, check=False)
-    assert_one_line_error(proc, env_id, "Breakout-v5")
-    assert proc.returncode == 2
-
-
-PPO_RULES = {
-    "minibatches-do-not-divide": (["--num-minibatches", "3"], ["--num-minibatches 3", "32"]),
-    "less-than-one-batch": (["--total-timesteps", "16"], ["--total-timesteps 16", "32"]),
-    "minibatch-of-one": (["--num-minibatches", "32"], ["--num-minibatches 32", "--no-norm-adv"]),
-}
-
-
-@pytest.mark.parametrize("case", PPO_RULES)
-@pytest.mark.parametrize("script", PAIR, ids=lambda s: s.stem)
-def test_ppo_rules_are_one_line(script, case, workdir):
-    """The batch rules (TINY's batch is 2 envs x 16 steps = 32), checked before any work."""
-    flags, words = PPO_RULES[case]
-    _, proc = run_script(script, *TINY["ppo_atari_envpool"], *flags, cwd=workdir, check=False)
-    assert_one_line_error(proc, *words)
-    assert proc.returncode == 2
-    assert not Path(workdir, "runs").exists()
+    assert_one_line_error(proc, "envpool", "pip install 'leanrl[atari]'", code=2)
 
 
 @pytest.mark.parametrize("script", PAIR, ids=lambda s: s.stem)

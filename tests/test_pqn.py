@@ -1,7 +1,5 @@
-"""PQN pair on CartPole: the Q(lambda) returns against a plain reference loop, the epsilon
-schedule and how the lean loop follows it, acting (also with another network), time limits in
-the rollout, the update (lean against the plain script's step, compiled against eager), bad
-input, and learning."""
+"""PQN pair on CartPole: Q(lambda) returns against a reference loop, how the lean loop follows the epsilon
+schedule, acting (also with an edited network), time limits, the update (lean against plain, compiled), learning."""
 
 import copy
 
@@ -13,35 +11,19 @@ import torch.nn.functional as F
 import tyro
 from conftest import (
     TINY,
-    TorchDrawingAsLean,
-    assert_same_run,
     family,
     load_script,
     main_in_process,
-    recorded_runs,
+    pair,
     run_script,
     scripts,
     short_env,
-    shuffle_as_lean,
 )
 
 import leanrl_utils
 
-PLAIN_PATH, LEAN_PATH = scripts("pqn.py")[0], scripts("pqn_torchcompile.py")[0]
-BOTH = [PLAIN_PATH, LEAN_PATH]
-
-
-@pytest.fixture(scope="module")
-def plain():
-    return load_script(PLAIN_PATH)
-
-
-@pytest.fixture(scope="module")
-def lean():
-    return load_script(LEAN_PATH)
-
-
-# ---------------------------------------------------------------- Q(lambda) returns
+FAMILY = "pqn"
+PLAIN_PATH, LEAN_PATH = BOTH = pair(FAMILY)
 
 
 def reference_returns(rewards, values, next_value, dones, gamma, q_lambda):
@@ -100,18 +82,6 @@ def test_returns_at_lambda_zero_and_one(lean):
     torch.testing.assert_close(monte_carlo[1, 1], (discounts[:15] * rewards[1:, 1]).sum())
 
 
-# ---------------------------------------------------------------- epsilon schedule
-
-
-def test_epsilon_schedule_end_points_in_both_scripts(plain, lean):
-    """CleanRL's defaults: 1.0 to 0.05 over half of 500k steps, then flat."""
-    duration = 0.5 * 500_000
-    for t, value in {0: 1.0, 125_000: 0.525, 250_000: 0.05, 500_000: 0.05}.items():
-        assert plain.linear_schedule(1.0, 0.05, duration, t) == pytest.approx(value, abs=1e-12)
-        assert lean.linear_schedule(1.0, 0.05, duration, t) == pytest.approx(value, abs=1e-12)
-    assert plain.linear_schedule(1.0, 0.05, 0, 0) == lean.linear_schedule(1.0, 0.05, 0, 0) == 0.05
-
-
 @pytest.mark.parametrize("path", scripts("pqn*_torchcompile.py"), ids=lambda p: p.stem)
 def test_lean_rollouts_draw_with_the_scheduled_epsilon_at_every_step(path, monkeypatch, tmp_path):
     """Each rollout's draws use the schedule's epsilon at each of its steps, as the plain loop asks
@@ -143,33 +113,6 @@ def test_lean_draws_explore_below_epsilon(lean):
     assert set(random_actions.unique().tolist()) == {0, 1}
 
 
-@pytest.mark.parametrize("host", [True, False], ids=["numpy", "torch"])
-def test_lean_policy_is_the_q_networks_argmax_and_max(lean, host):
-    """Acting, in numpy on a CPU and in torch elsewhere (behind `host_arrays`, as the loop calls
-    it), gives the Q-network's greedy action and max Q for each observation, also after RAdam
-    has moved the weights (the numpy policy reads views of the parameters). Tolerance: torch's
-    float32 default (LayerNorm's statistics as matmuls)."""
-    torch.manual_seed(0)
-    q_network = lean.QNetwork(4, 3)
-    params = dict(leanrl_utils.seeds.stack([q_network]).items())  # one seed: a stack of one, as the script
-    policy = lean.make_policy(q_network, params, 1, host)
-    if not host:  # as the loop calls a device's policy
-        policy = leanrl_utils.acting.host_arrays(policy, torch.device("cpu"))
-    optimizer = leanrl_utils.optimizers.RAdam(q_network.named_parameters(), torch.tensor(0.1))
-    obs = torch.randn(1000, 4)
-    for _ in range(2):
-        with torch.no_grad():
-            q = q_network(obs)
-            greedy, value = (torch.from_numpy(x) for x in policy(obs.numpy()))
-        torch.testing.assert_close(value, q.max(dim=1).values)
-        torch.testing.assert_close(greedy, q.argmax(dim=1), rtol=0, atol=0)
-        assert len(greedy.unique()) > 1  # not one action everywhere
-        optimizer.step({name: torch.randn_like(p) for name, p in q_network.named_parameters()})
-
-
-# ---------------------------------------------------------------- another network
-
-
 def network_like(lean, hidden, activation):
     """QNetwork as a researcher might edit it: other widths (and LayerNorm widths), another
     number of layers, another activation."""
@@ -185,18 +128,18 @@ def network_like(lean, hidden, activation):
     return Edited
 
 
-EDITS = {"wider-tanh": ((64,), nn.Tanh), "deeper-relu": ((32, 48, 16), nn.ReLU), "silu": ((120, 84), nn.SiLU)}
+# None: the script's own QNetwork.
+EDITS = {"cleanrl": None, "wider-tanh": ((64,), nn.Tanh), "deeper-relu": ((32, 48, 16), nn.ReLU), "silu": ((120, 84), nn.SiLU)}
 
 
 @pytest.mark.parametrize("num_seeds", [1, 3])
 @pytest.mark.parametrize("host", [True, False], ids=["numpy", "torch"])
 @pytest.mark.parametrize("edit", EDITS)
 def test_an_edited_network_is_what_the_policies_act_with(lean, edit, host, num_seeds, monkeypatch):
-    """Edit QNetwork (in the script's namespace, as a researcher edits the class): the numpy and
-    the torch policy, for one seed and for stacked seeds, give each seed's observations the greedy
-    action and max Q of that seed's edited module, before and after the weights move. One seed in
-    torch runs the module's own ops: exactly its values. Else tolerance: torch's float32 default."""
-    monkeypatch.setattr(lean, "QNetwork", network_like(lean, *EDITS[edit]))
+    """CleanRL's QNetwork or an edited one: both policies, one seed or stacked, act with each seed's module,
+    before and after the weights move (one seed in torch: exact; else float32 default)."""
+    if EDITS[edit]:
+        monkeypatch.setattr(lean, "QNetwork", network_like(lean, *EDITS[edit]))
     torch.manual_seed(0)
     nets = [lean.QNetwork(4, 3) for _ in range(num_seeds)]
     with torch.no_grad():  # LayerNorm starts with scale 1 and shift 0: move them
@@ -261,8 +204,6 @@ def test_a_layer_numpy_cannot_follow_is_refused_in_one_line(lean, monkeypatch, t
     assert len(errors) == 1 and "GELU" in errors[0] and "Traceback" not in err and out.strip() == "", err
 
 
-# ---------------------------------------------------------------- truncations
-
 SHORT_ID = short_env("CartPole-v1", 20)  # random play both terminates and truncates
 
 
@@ -302,9 +243,6 @@ def test_plain_script_runs_through_truncations(plain, monkeypatch, tmp_path):
     assert main_in_process(plain, "--env-id", SHORT_ID, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
 
 
-# ---------------------------------------------------------------- update numerics
-
-
 def update_case(lean, seed=0, n=256):
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed + 1)
@@ -321,12 +259,8 @@ def one_seed_update(lean, q_network, lr, max_grad_norm, capturable=False):
 
 
 def test_lean_update_is_the_plain_update(plain, lean):
-    """From the same parameters and minibatches, the lean step (torch.func gradient, clipping on
-    the gradients dict, the functional RAdam with a 0-d learning rate annealed in place) and the
-    plain script's step (`F.mse_loss`, `loss.backward()`, `nn.utils.clip_grad_norm_`,
-    `optim.RAdam`) give the same losses and parameters. A max_grad_norm of 1 makes the clipping
-    bite. Tolerance: rtol 1e-5, atol 1e-6 (the two sum the gradients in another order; each step
-    moves a weight by up to lr = 2.5e-4)."""
+    """The lean step (torch.func, clipping on the gradient dict, functional RAdam, 0-d lr annealed
+    in place) against pqn.py's, the clipping biting (rtol 1e-5, atol 1e-6)."""
     q_network, (b_obs, b_actions, b_returns), minibatches = update_case(lean)
     reference = plain.QNetwork(4, 2)
     reference.load_state_dict(q_network.state_dict())
@@ -352,10 +286,8 @@ def test_lean_update_is_the_plain_update(plain, lean):
 
 
 def test_compiled_update_matches_eager(lean):
-    """Compiled as the script compiles it (fullgraph, RAdam capturable, whose rectification is a
-    torch.where) against eager (RAdam's Python branch), from the same parameters on the same 8
-    minibatches, the learning rate annealed in place between steps. Tolerance: rtol 1e-5, atol
-    1e-6 on metrics and parameters (float32; the graph fuses and reorders reductions)."""
+    """Compiled as the script does (fullgraph, capturable RAdam) against eager, on 8 minibatches
+    with the lr annealed in place (rtol 1e-5, atol 1e-6)."""
     q_eager, batch, minibatches = update_case(lean)
     q_compiled = copy.deepcopy(q_eager)
     initial = copy.deepcopy(q_eager.state_dict())
@@ -381,61 +313,6 @@ def test_compiled_update_matches_eager(lean):
         if name.endswith("weight"):
             assert not torch.equal(value, initial[name]), name
 
-
-# ---------------------------------------------------------------- whole run
-
-
-def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path):
-    """Given the same random numbers, the two scripts make the same run: the same envs and
-    seeds, initial weights, epsilon-greedy actions, Q(lambda) returns (terminations and
-    time-limit truncations inside the rollouts), learning-rate annealing, minibatch order and
-    RAdam steps, for 4 iterations of 8 minibatch updates. So the scripts differ only in how they
-    draw (a rollout's draws at once against a step's, torch.randperm against
-    np.random.shuffle: the same distributions) and in float rounding."""
-    monkeypatch.chdir(tmp_path)
-    args = dict(env_id=SHORT_ID, num_envs=4, num_steps=32, total_timesteps=512, num_minibatches=4, update_epochs=2)
-    monkeypatch.setattr(plain, "torch", TorchDrawingAsLean(args["num_steps"]))
-    monkeypatch.setattr(plain.np.random, "shuffle", shuffle_as_lean)
-    plain_run, lean_run = recorded_runs([plain, lean], args, monkeypatch)
-    assert len(lean_run[0]) == 4
-    assert_same_run(plain_run, lean_run, [*lean.METRICS, "charts/learning_rate", "charts/epsilon"])
-
-
-# ---------------------------------------------------------------- bad input
-
-
-@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
-@pytest.mark.parametrize(
-    "argv,words",
-    [
-        (["--env-id", "Pendulum-v1"], ["Pendulum-v1", "Box action space", "discrete"]),
-        (["--num-minibatches", "3"], ["--num-minibatches 3", "128"]),
-        (["--total-timesteps", "100"], ["--total-timesteps 100", "128"]),
-        (["--q-lambda", "1.5"], ["--q-lambda 1.5"]),
-    ],
-    ids=["continuous", "minibatches", "budget", "lambda"],
-)
-def test_bad_input_is_one_line(path, argv, words, plain, lean, monkeypatch, tmp_path, capsys):
-    module = plain if path == PLAIN_PATH else lean
-    assert main_in_process(module, *argv, tmp_path=tmp_path, monkeypatch=monkeypatch) == 2
-    out, err = capsys.readouterr()
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "Traceback" not in err and out.strip() == "", err
-    for word in words:
-        assert word.lower() in errors[0].lower(), errors[0]
-
-
-def test_a_checkpoint_moves_across_the_pair(workdir):
-    """The lean script's checkpoint loads into the plain script, and the other way round."""
-    for source, target in ((LEAN_PATH, PLAIN_PATH), (PLAIN_PATH, LEAN_PATH)):
-        summary, _ = run_script(source, *TINY["pqn"], "--save-model", cwd=workdir)
-        loaded, _ = run_script(
-            target, "--total-timesteps", 0, "--load-model", summary["checkpoint"], "--eval-episodes", 2, cwd=workdir
-        )
-        assert loaded["eval_return"] > 0
-
-
-# ---------------------------------------------------------------- learning
 
 # CleanRL's defaults (500k steps). The mean return of the last 10 training episodes (500 is the
 # maximum, a random policy gets about 22) must reach LEARNING_THRESHOLD. Seed 3 ends at 500 in

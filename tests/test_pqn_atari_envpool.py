@@ -1,8 +1,5 @@
-"""PQN on Atari (envpool): the Q(lambda) returns against a plain reference loop with envpool's
-reset steps, the lean update against the plain script's step and compiled against eager, the
-masking of reset steps, the epsilon schedule, the two scripts' whole runs given the same
-random draws, a changed network (the lean script's forms of it follow the module), and the
-bad-input lines. No learning test: Breakout needs hours here (the CartPole pair has one)."""
+"""PQN on Atari (envpool): Q(lambda) returns under envpool's autoreset, the update (lean against plain,
+compiled against eager, reset steps masked), a changed network. No learning test (hours)."""
 
 import copy
 import glob
@@ -12,25 +9,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from conftest import TorchDrawingAsLean, assert_same_run, load_script, main_in_process, recorded_runs, scripts, shuffle_as_lean
+from conftest import atari_batch, main_in_process
 
 import leanrl_utils
 
-PLAIN_PATH, LEAN_PATH = scripts("pqn_atari_envpool.py")[0], scripts("pqn_atari_envpool_torchcompile.py")[0]
-BOTH = [PLAIN_PATH, LEAN_PATH]
-
-
-@pytest.fixture(scope="module")
-def plain():
-    return load_script(PLAIN_PATH)
-
-
-@pytest.fixture(scope="module")
-def lean():
-    return load_script(LEAN_PATH)
-
-
-# ---------------------------------------------------------------- Q(lambda) returns
+FAMILY = "pqn_atari_envpool"
 
 
 def reference_returns(rewards, values, next_value, terminations, dones, gamma, q_lambda):
@@ -73,31 +56,9 @@ def test_returns_match_the_reference_loop(lean):
     torch.testing.assert_close(returns[9, 1], rewards[9, 1] + 0.99 * values[10, 1])
 
 
-# ---------------------------------------------------------------- epsilon
-
-
-def test_epsilon_schedule_end_points_in_both_scripts(plain, lean):
-    """CleanRL's Atari defaults: 1.0 to 0.01 over 10% of 10M steps, then flat."""
-    for t, value in {0: 1.0, 500_000: 0.505, 1_000_000: 0.01, 10_000_000: 0.01}.items():
-        assert plain.linear_schedule(1.0, 0.01, 1_000_000, t) == pytest.approx(value, abs=1e-12)
-        assert lean.linear_schedule(1.0, 0.01, 1_000_000, t) == pytest.approx(value, abs=1e-12)
-    assert plain.Args().end_e == lean.Args().end_e == 0.01
-    assert plain.Args().exploration_fraction == lean.Args().exploration_fraction == 0.1
-
-
-# ---------------------------------------------------------------- update numerics
-
-
-def make_batch(n, n_act=4, seed=0):
-    """A flat rollout batch as the lean script feeds its update; about 1 step in 8 is a reset
-    step (valid 0)."""
-    g = torch.Generator().manual_seed(seed)
-    return (
-        torch.randint(0, 256, (n, 4, 84, 84), dtype=torch.uint8, generator=g),
-        torch.randint(0, n_act, (n,), generator=g),
-        3 * torch.rand(n, generator=g),
-        (torch.rand(n, generator=g) > 0.125).float(),
-    )
+def make_batch(n, seed=0):
+    """A rollout batch (`atari_batch`) with Q(lambda) returns."""
+    return atari_batch(n, seed, lambda n, g: 3 * torch.rand(n, generator=g))
 
 
 def test_lean_network_is_the_plain_network(plain, lean):
@@ -112,11 +73,8 @@ def test_lean_network_is_the_plain_network(plain, lean):
 
 
 def test_lean_update_is_the_plain_update(plain, lean):
-    """From the same parameters and minibatches: the lean step (torch.func, clipping on the
-    gradients, functional RAdam with a 0-d learning rate annealed in place) and the plain
-    script's step as written in pqn_atari_envpool.py (masked squared error, `loss.backward()`,
-    `nn.utils.clip_grad_norm_`, `optim.RAdam`). A max_grad_norm of 0.5 makes the clipping bite.
-    Tolerance rtol 1e-4, atol 1e-6 (convolutions sum in another order for the two)."""
+    """The lean step against the plain script's as written in pqn_atari_envpool.py (masked squared
+    error, clipping biting at 0.5, RAdam), the lr annealed (rtol 1e-4, atol 1e-6)."""
     torch.manual_seed(0)
     q_network = lean.QNetwork(4)
     reference = plain.QNetwork(4)
@@ -190,9 +148,6 @@ def test_compiled_update_matches_eager(lean):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=name)
 
 
-# ---------------------------------------------------------------- a changed network
-
-
 def changed_network(lean, head_activation=nn.Tanh):
     """lean.QNetwork as a researcher might change it: two convolutions of other widths, Tanh for
     ReLU, a narrower head with one more layer. LayerNorm weights made random, so that reading
@@ -219,17 +174,10 @@ def changed_network(lean, head_activation=nn.Tanh):
 
 
 def test_a_changed_network_acts_as_its_module(lean, monkeypatch, capsys):
-    """With the script's QNetwork changed, every form the lean script derives from it follows:
-    its channels-last forward computes what the module's own layers compute in order (the plain
-    script's `self.network(x / 255.0)`, tolerance 1e-5: convolutions sum in another order),
-    make_policy acts greedily on exactly the module's forward and returns its max Q, and the
-    stacked-seed form (`seeds_forward`, one seed: what the update's functional_call runs) is
-    exactly the module. The whole network has no numpy form: `numpy_forward` refuses its first
-    convolution in one line, which is why this script acts in torch on every device; the head,
-    in numpy, acts as the module's head for one seed and for stacked seeds (tolerance 1e-5), as
-    does its torch form (exactly for one seed, 1e-5 stacked), and refuses a layer it has no form
-    for (GELU) by name. (torch's vmap cannot run the channels-last forward over stacked seeds:
-    this script has no --num-seeds.)"""
+    """With QNetwork changed, every lean form follows the module: the channels-last forward (1e-5),
+    make_policy's greedy action and max Q and the stacked-seed form (exact). numpy_forward refuses the
+    convolution in one line; the head in numpy and torch acts as the module's head (one seed and
+    stacked), and a GELU in it is refused by name. (vmap cannot run channels-last seeds: no --num-seeds.)"""
     monkeypatch.setattr(lean, "QNetwork", changed_network(lean))
     torch.manual_seed(0)
     q_network, other = lean.QNetwork(6), lean.QNetwork(6)
@@ -287,47 +235,3 @@ def test_a_changed_network_trains_and_saves(lean, monkeypatch, tmp_path, capsys)
     saved = torch.load(path, weights_only=True)["model"]["q_network"]
     assert saved["network.0.weight"].shape == (16, 4, 8, 8) and saved["network.10.weight"].shape == (64, 128)
     assert all(v.isfinite().all() for v in saved.values())
-
-
-# ---------------------------------------------------------------- whole run
-
-
-def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path):
-    """Given the same random numbers, the two scripts make the same run: the same envs, initial
-    weights, epsilon-greedy actions, rollout bookkeeping (envpool's reset steps), Q(lambda)
-    returns, learning-rate annealing, minibatch order and RAdam steps, for 4 iterations of 8
-    minibatch updates. So the scripts differ only in how they draw (a rollout's draws at once
-    against a step's, torch.randperm against np.random.shuffle: the same distributions) and in
-    float rounding, which RAdam turns into up to 2% of a step (5e-6) in 2 of the 1.6M weights
-    of the first linear layer."""
-    monkeypatch.chdir(tmp_path)
-    args = dict(env_id="Breakout-v5", num_envs=4, num_steps=64, total_timesteps=1024, num_minibatches=4, update_epochs=2)
-    monkeypatch.setattr(plain, "torch", TorchDrawingAsLean(args["num_steps"]))
-    monkeypatch.setattr(plain.np.random, "shuffle", shuffle_as_lean)
-    plain_run, lean_run = recorded_runs([plain, lean], args, monkeypatch)
-    assert len(lean_run[0]) == 4
-    assert_same_run(plain_run, lean_run, [*lean.METRICS, "charts/learning_rate", "charts/epsilon"], weights_atol=1e-5)
-
-
-# ---------------------------------------------------------------- bad input
-
-
-@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
-@pytest.mark.parametrize(
-    "argv,words",
-    [
-        (["--env-id", "Pendulum-v1"], ["Pendulum-v1", "Atari"]),
-        (["--num-minibatches", "3"], ["--num-minibatches 3", "32"]),
-        (["--total-timesteps", "20"], ["--total-timesteps 20", "32"]),
-        (["--q-lambda", "-0.1"], ["--q-lambda -0.1"]),
-    ],
-    ids=["not-atari", "minibatches", "budget", "lambda"],
-)
-def test_bad_input_is_one_line(path, argv, words, plain, lean, monkeypatch, tmp_path, capsys):
-    module = plain if path == PLAIN_PATH else lean
-    assert main_in_process(module, *argv, tmp_path=tmp_path, monkeypatch=monkeypatch) == 2
-    out, err = capsys.readouterr()
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "Traceback" not in err and out.strip() == "", err
-    for word in words:
-        assert word.lower() in errors[0].lower(), errors[0]

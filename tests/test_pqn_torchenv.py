@@ -15,34 +15,25 @@ from conftest import (
     TorchDrawingAsLean,
     assert_refused_before_work,
     assert_same_run,
-    load_script,
     main_in_process,
+    pair,
     recorded_runs,
     run_script,
-    scripts,
     short_env,
     shuffle_as_lean,
+    start_script,
 )
-from test_resume import curve_steps, final_weights, scalars, start
+from test_resume import curve_steps, final_weights, scalars
 
 import leanrl_envs
 import leanrl_utils
 
-PLAIN_PATH, LEAN_PATH = scripts("pqn_torchenv.py")[0], scripts("pqn_torchenv_torchcompile.py")[0]
+FAMILY = "pqn_torchenv"  # conftest's `plain` and `lean` fixtures
+PLAIN_PATH, LEAN_PATH = pair(FAMILY)
 # gymnasium's CartPole with a 20-step limit (so that random play both terminates and truncates),
 # and its torch-native twin under the same id.
 SHORT_ID = short_env("CartPole-v1", 20)
 SHORT = type("ShortCartPole", (leanrl_envs.CartPole,), {"id": SHORT_ID, "max_episode_steps": 20})
-
-
-@pytest.fixture(scope="module")
-def plain():
-    return load_script(PLAIN_PATH)
-
-
-@pytest.fixture(scope="module")
-def lean():
-    return load_script(LEAN_PATH)
 
 
 @pytest.fixture
@@ -169,7 +160,7 @@ def test_stopped_and_resumed_run_is_the_run_unbroken(path, tmp_path):
     (parts := tmp_path / "parts").mkdir()
     tiny = [*TINY["pqn_torchenv"], "--save-model"]
     unbroken, _ = run_script(path, *tiny, cwd=whole)
-    proc = start(path, parts, *tiny, before=SIGNAL_AT_ENV_STEP.format(at=150))
+    proc = start_script(path, parts, *tiny, before=SIGNAL_AT_ENV_STEP.format(at=150))
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 128 + signal.SIGTERM, stderr
     run_dir = next((parts / "runs").iterdir())

@@ -5,30 +5,16 @@ no point twice or missing. Bad resumes end in one line and exit 2."""
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import SCRIPTS, TINY, assert_one_line_error, family, run_script, script_command, scripts
-
-# Sends `signum` to the script's own process at its `at`-th env step (of one env), mid-iteration.
-SIGNAL_AT_STEP = """
-import os, gymnasium as gym
-_step, _calls = gym.wrappers.RecordEpisodeStatistics.step, [0]
-def step(self, action):
-    _calls[0] += 1
-    if _calls[0] == {at}:
-        os.kill(os.getpid(), {signum})
-    return _step(self, action)
-gym.wrappers.RecordEpisodeStatistics.step = step
-"""
+from conftest import SCRIPTS, SIGNAL_AT_STEP, TINY, assert_one_line_error, family, run_script, scripts, start_script, wait_for
 
 # envpool's Atari games count steps in leanrl_utils' vector wrapper: one call per vector step.
 SIGNAL_AT_VECTOR_STEP = SIGNAL_AT_STEP.replace(
     "gym.wrappers.RecordEpisodeStatistics", "leanrl_utils.vector.RecordEpisodeStatistics"
-).replace("import os, gymnasium as gym", "import os, leanrl_utils")
+).replace("import os, time, gymnasium as gym", "import os, time, leanrl_utils")
 
 # SIGKILLs the script's own process at its first env step from `at` on (of one env) where a
 # periodic checkpoint exists: killed partway, whatever the machine's speed.
@@ -60,7 +46,7 @@ def resume(self, objects, loop, device="cpu"):
     out = _resume(self, objects, loop, device)
     for name, obj in self.objects.items():
         if name != "envs":
-            assert same(leanrl_utils.resume.state_of(obj), self.resumed["objects"][name]), name
+            assert same(leanrl_utils.state.state_of(obj), self.resumed["objects"][name]), name
     print("resume-check: objects ok", file=sys.stderr)
     return out
 def checkpoint(self, iteration):
@@ -82,18 +68,6 @@ STOP_AT = {
     "ppo_continuous_action": 150,
 }
 RESUMABLE = [s for s in scripts("*.py") if family(s) in STOP_AT]
-
-
-def start(script, workdir, *argv, before=None):
-    command = script_command(script, before=before) if before else [sys.executable, str(script)]
-    return subprocess.Popen(
-        [*command, *map(str, argv)],
-        cwd=workdir,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
 
 
 def scalars(run_dir):
@@ -133,34 +107,45 @@ def final_weights(workdir, summary):
     return torch.load(Path(workdir) / summary["checkpoint"], weights_only=True)["model"]
 
 
-@pytest.mark.parametrize("script", RESUMABLE, ids=lambda s: s.stem)
-def test_stopped_and_resumed_run_is_the_run_unbroken(script, tmp_path):
-    """SIGTERM mid-iteration after learning started, between two log points; --resume with no
-    other flag: weights, every logged value and the curve's steps equal bit for bit (eager, CPU)."""
+TWICE = [s for s in RESUMABLE if s.stem in ("dqn_torchcompile", "ppo_continuous_action_torchcompile")]
+LEAN = [s for s in RESUMABLE if s.stem.endswith("_torchcompile")]
+UNBROKEN = {f"{s.stem}{suffix}": (s, times, compiled) for suffix, times, compiled, group in
+            (("", 1, False, RESUMABLE), ("-x2", 2, False, TWICE), ("-compile", 1, True, LEAN)) for s in group}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", UNBROKEN)
+def test_stopped_and_resumed_run_is_the_run_unbroken(case, tmp_path):
+    """SIGTERM (twice, 1 ms apart: the second changes nothing) mid-iteration after learning started,
+    between two log points; --resume with no other flag: weights, every logged value and the curve's
+    steps equal bit for bit (eager, CPU); --compile compiles anew, values within rounding."""
+    script, times, compiled = UNBROKEN[case]
     (whole := tmp_path / "whole").mkdir()
     (parts := tmp_path / "parts").mkdir()
-    tiny = [*TINY[family(script)], "--save-model"]
+    tiny = [*TINY[family(script)], "--save-model", *(["--compile"] if compiled else [])]
     unbroken, _ = run_script(script, *tiny, cwd=whole)
 
-    before = SIGNAL_AT_STEP.format(at=STOP_AT[family(script)], signum=int(signal.SIGTERM))
-    proc = start(script, parts, *tiny, before=before)
-    stdout, stderr = proc.communicate(timeout=300)
+    before = SIGNAL_AT_STEP.format(at=STOP_AT[family(script)], signum=int(signal.SIGTERM), times=times)
+    proc = start_script(script, parts, *tiny, before=before)
+    stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 143, stderr
     run_dir = parts / "runs" / os.listdir(parts / "runs")[0]
     assert (run_dir / "resume.pt").is_file()
 
     resumed, proc = run_script(script, "--resume", run_dir, "--save-model", cwd=parts)
-    assert "notice: resuming" in proc.stderr
+    assert "notice: resuming" in proc.stderr and resumed["compile"] is compiled
     assert resumed["total_steps"] == unbroken["total_steps"] and resumed["updates"] == unbroken["updates"]
     assert Path(resumed["run_dir"]).resolve() == run_dir.resolve()
-    points = scalars(whole / unbroken["run_dir"])
+    points, got = scalars(whole / unbroken["run_dir"]), scalars(run_dir)
     assert any(tag.startswith("losses/") for tag, _, _ in points)
-    assert scalars(run_dir) == points
+    assert [(tag, step) for tag, step, _ in got] == [(tag, step) for tag, step, _ in points]
+    values = [v for _, _, v in points]
+    assert [v for _, _, v in got] == (pytest.approx(values, rel=1e-5, abs=1e-6) if compiled else values)
     assert curve_steps(run_dir) == curve_steps(whole / unbroken["run_dir"])
     expected, got = final_weights(whole, unbroken), final_weights(parts, resumed)
+    tolerance = dict(rtol=1e-5, atol=1e-6) if compiled else dict(rtol=0, atol=0)
     for net in expected:
         for name in expected[net]:
-            assert torch.equal(got[net][name], expected[net][name]), (net, name)
+            torch.testing.assert_close(got[net][name], expected[net][name], **tolerance, msg=f"{net} {name}")
 
 
 @pytest.mark.parametrize("script", RESUMABLE, ids=lambda s: s.stem)
@@ -170,7 +155,7 @@ def test_killed_run_resumes_from_its_periodic_checkpoint(script, tmp_path):
     argv = [*TINY[family(script)], "--checkpoint-every", "0.05"]
     i = argv.index("--total-timesteps")
     argv[i + 1] = str(int(argv[i + 1]) * (50 if family(script) == "pqn" else 10))  # lean PQN runs 5120 steps in a second
-    proc = start(script, tmp_path, *argv, before=KILL_AFTER_CHECKPOINT.format(at=int(argv[i + 1]) // 2))
+    proc = start_script(script, tmp_path, *argv, before=KILL_AFTER_CHECKPOINT.format(at=int(argv[i + 1]) // 2))
     proc.communicate(timeout=300)
     assert proc.returncode == -signal.SIGKILL, "the run ended before it was killed: make it longer"
     run_dir = next((tmp_path / "runs").glob("*/resume.pt")).parent
@@ -186,11 +171,13 @@ def test_atari_run_resumes_with_its_saved_state_and_completes_its_budget(script,
     # PPO and PQN: 4 iterations of 32 steps; DQN: 2 envs, past learning starts (its tiny budget, 400 steps)
     total, at = (400, 120) if family(script) == "dqn_atari_envpool" else (128, 40)
     argv = [*TINY[family(script)], "--total-timesteps", total]
-    proc = start(script, tmp_path, *argv, before=SIGNAL_AT_VECTOR_STEP.format(at=at, signum=int(signal.SIGTERM)))
+    proc = start_script(
+        script, tmp_path, *argv, before=SIGNAL_AT_VECTOR_STEP.format(at=at, signum=int(signal.SIGTERM), times=1)
+    )
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 143, stderr
     run_dir = next((tmp_path / "runs").iterdir())
-    proc = start(script, tmp_path, "--resume", run_dir, before=CHECK_RESUMED)
+    proc = start_script(script, tmp_path, "--resume", run_dir, before=CHECK_RESUMED)
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr
     assert "resume-check: objects ok" in stderr and "resume-check: iteration ok" in stderr
@@ -205,7 +192,7 @@ def test_every_seed_of_num_seeds_resumes(tmp_path):
     (parts := tmp_path / "parts").mkdir()
     argv = [*TINY["dqn"], "--num-seeds", 2, "--save-model"]
     run_script(script, *argv, cwd=whole)
-    proc = start(script, parts, *argv, before=SIGNAL_AT_STEP.format(at=2 * 250, signum=int(signal.SIGTERM)))
+    proc = start_script(script, parts, *argv, before=SIGNAL_AT_STEP.format(at=2 * 250, signum=int(signal.SIGTERM), times=1))
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 143, stderr
     lead = next(d for d in (parts / "runs").iterdir() if (d / "resume.pt").exists())
@@ -222,52 +209,87 @@ def test_every_seed_of_num_seeds_resumes(tmp_path):
 def test_resume_with_another_num_seeds_is_one_line(tmp_path):
     script = SCRIPTS / "dqn_torchcompile.py"
     argv = [*TINY["dqn"], "--num-seeds", 2]
-    proc = start(script, tmp_path, *argv, before=SIGNAL_AT_STEP.format(at=2 * 250, signum=int(signal.SIGTERM)))
+    proc = start_script(script, tmp_path, *argv, before=SIGNAL_AT_STEP.format(at=2 * 250, signum=int(signal.SIGTERM), times=1))
     proc.communicate(timeout=300)
     lead = next(d for d in (tmp_path / "runs").iterdir() if (d / "resume.pt").exists())
     _, proc = run_script(script, "--resume", lead, "--num-seeds", 3, cwd=tmp_path, check=False)
-    assert_one_line_error(proc, "--num-seeds", "contradicts")
-    assert proc.returncode == 2
+    assert_one_line_error(proc, "--num-seeds", "contradicts", code=2)
 
 
 @pytest.fixture
 def stopped_run(tmp_path):
     """A plain DQN run stopped by SIGTERM partway: (script, its run folder)."""
     script = next(s for s in RESUMABLE if s.stem == "dqn")
-    proc = start(script, tmp_path, *TINY["dqn"], before=SIGNAL_AT_STEP.format(at=250, signum=int(signal.SIGTERM)))
+    proc = start_script(
+        script, tmp_path, *TINY["dqn"], before=SIGNAL_AT_STEP.format(at=250, signum=int(signal.SIGTERM), times=1)
+    )
     proc.communicate(timeout=300)
     return script, next((tmp_path / "runs").iterdir())
 
 
-def test_resume_of_a_missing_folder_is_one_line(stopped_run, tmp_path):
-    script, run_dir = stopped_run
-    _, proc = run_script(script, "--resume", tmp_path / "nowhere", cwd=tmp_path, check=False)
-    assert_one_line_error(proc, "no checkpoint")
-    assert proc.returncode == 2
-
-
-def test_resume_of_a_corrupt_checkpoint_is_one_line(stopped_run, tmp_path):
-    script, run_dir = stopped_run
+def truncated(run_dir):
     (run_dir / "resume.pt").write_bytes((run_dir / "resume.pt").read_bytes()[:1000])
-    _, proc = run_script(script, "--resume", run_dir, cwd=tmp_path, check=False)
-    assert_one_line_error(proc, "corrupt")
-    assert proc.returncode == 2
+    return run_dir
 
 
-def test_resume_with_another_script_is_one_line(stopped_run, tmp_path):
+def without_seeds(run_dir):
+    checkpoint = torch.load(run_dir / "resume.pt", weights_only=True)
+    del checkpoint["seeds"]
+    torch.save(checkpoint, run_dir / "resume.pt")
+    return run_dir
+
+
+# Per case: the script that resumes the stopped run, what is done to the run folder first (and the folder
+# resumed), the flags after --resume, the words of the one line.
+BAD_RESUMES = {
+    "missing-folder": ("dqn", lambda run_dir: run_dir.parents[1] / "nowhere", [], ["no checkpoint"]),
+    "corrupt-checkpoint": ("dqn", truncated, [], ["corrupt"]),
+    "malformed-checkpoint": ("dqn", without_seeds, [], ["cannot read"]),
+    "another-script": ("dqn_torchcompile", None, [], ["dqn.py"]),
+    "env": ("dqn", None, ["--env-id", "Acrobot-v1"], ["--env-id", "contradicts"]),
+    "size": ("dqn", None, ["--buffer-size", "600"], ["--buffer-size", "contradicts"]),
+    "typed-default": ("dqn", None, ["--buffer-size", "10000"], ["--buffer-size 10000", "contradicts"]),  # the default, typed
+    "budget-below-done": ("dqn", None, ["--total-timesteps", "100"], ["--total-timesteps 100", "below the 250 steps"]),
+    "load-model": ("dqn", None, ["--load-model", "model.pt"], ["--load-model", "--resume"]),
+}
+
+
+@pytest.mark.parametrize("case", BAD_RESUMES)
+def test_resume_refuses_what_it_cannot_honour_in_one_line(stopped_run, tmp_path, case):
     script, run_dir = stopped_run
-    other = script.with_name("dqn_torchcompile.py")
-    _, proc = run_script(other, "--resume", run_dir, cwd=tmp_path, check=False)
-    assert_one_line_error(proc, "dqn.py")
-    assert proc.returncode == 2
+    other, change, flags, words = BAD_RESUMES[case]
+    _, proc = run_script(
+        script.with_name(f"{other}.py"), "--resume", (change or Path)(run_dir), *flags, cwd=tmp_path, check=False
+    )
+    assert_one_line_error(proc, *words, code=2)
 
 
-@pytest.mark.parametrize("flags", [("--env-id", "Acrobot-v1"), ("--buffer-size", "600")], ids=["env", "size"])
-def test_resume_with_contradicting_flags_is_one_line(stopped_run, tmp_path, flags):
+def test_resume_says_what_it_changes_and_where_it_goes_on(stopped_run, tmp_path):
+    """A flag the run may change (evaluation) is honoured and said in one line, the notice gives
+    the step the run goes on from, and a missing curve.csv is rebuilt with its header (no NUL)."""
     script, run_dir = stopped_run
-    _, proc = run_script(script, "--resume", run_dir, *flags, cwd=tmp_path, check=False)
-    assert_one_line_error(proc, flags[0], "contradicts")
-    assert proc.returncode == 2
+    (run_dir / "curve.csv").unlink()
+    summary, proc = run_script(script, "--resume", run_dir, "--eval-episodes", 1, cwd=tmp_path)
+    notices = [line for line in proc.stderr.splitlines() if line.startswith("notice:")]
+    assert "notice: resuming with --eval-episodes 1 (the run had 0)" in notices, notices
+    assert f"notice: resuming {run_dir} from step 250" in notices or any("from step 250" in n for n in notices), notices
+    assert any("curve.csv was missing or short; rebuilt" in n for n in notices), notices
+    curve = (run_dir / "curve.csv").read_bytes()
+    assert curve.startswith(b"step,seconds,episodic_return\n") and b"\0" not in curve and summary["eval_return"] is not None
+
+
+def test_one_writer_per_run_folder(stopped_run, tmp_path):
+    """A second process on a run folder in use is refused in one line naming the first; the lock
+    of a process that died (SIGKILL) blocks nothing."""
+    script, run_dir = stopped_run
+    first = start_script(script, tmp_path, "--resume", run_dir, "--total-timesteps", 10**7)
+    wait_for(first, "notice: resuming")
+    _, proc = run_script(script, "--resume", run_dir, "--total-timesteps", 10**7, cwd=tmp_path, check=False)
+    assert_one_line_error(proc, str(run_dir), f"pid {first.pid}", code=2)
+    first.kill()
+    first.communicate(timeout=60)
+    resumed, _ = run_script(script, "--resume", run_dir, "--total-timesteps", 400, cwd=tmp_path)
+    assert resumed["total_steps"] == 400
 
 
 def test_resume_of_a_finished_run_is_one_line_and_a_larger_budget_extends_it(stopped_run, tmp_path):
@@ -275,34 +297,9 @@ def test_resume_of_a_finished_run_is_one_line_and_a_larger_budget_extends_it(sto
     done, _ = run_script(script, "--resume", run_dir, "--checkpoint-every", "1000", cwd=tmp_path)
     assert done["total_steps"] == 400
     _, proc = run_script(script, "--resume", run_dir, cwd=tmp_path, check=False)
-    assert_one_line_error(proc, "already finished")
-    assert proc.returncode == 2
+    assert_one_line_error(proc, "already finished", code=2)
     extended, _ = run_script(script, "--resume", run_dir, "--total-timesteps", 500, cwd=tmp_path)
     assert extended["total_steps"] == 500
-
-
-@pytest.mark.parametrize("script", [s for s in RESUMABLE if s.stem.endswith("_torchcompile")], ids=lambda s: s.stem)
-def test_compiled_run_resumes_within_rounding(script, tmp_path):
-    """--compile: the resumed run compiles anew; weights and logged values as unbroken, within
-    rounding."""
-    (whole := tmp_path / "whole").mkdir()
-    (parts := tmp_path / "parts").mkdir()
-    argv = [*TINY[family(script)], "--compile", "--save-model"]
-    unbroken, _ = run_script(script, *argv, cwd=whole)
-    before = SIGNAL_AT_STEP.format(at=STOP_AT[family(script)], signum=int(signal.SIGTERM))
-    proc = start(script, parts, *argv, before=before)
-    _, stderr = proc.communicate(timeout=600)
-    assert proc.returncode == 143, stderr
-    run_dir = next((parts / "runs").iterdir())
-    resumed, _ = run_script(script, "--resume", run_dir, "--save-model", cwd=parts)
-    assert resumed["compile"] is True and resumed["total_steps"] == unbroken["total_steps"]
-    expected, got = scalars(whole / unbroken["run_dir"]), scalars(run_dir)
-    assert [(tag, step) for tag, step, _ in got] == [(tag, step) for tag, step, _ in expected]
-    assert [v for _, _, v in got] == pytest.approx([v for _, _, v in expected], rel=1e-5, abs=1e-6)
-    expected, got = final_weights(whole, unbroken), final_weights(parts, resumed)
-    for net in expected:
-        for name, tensor in expected[net].items():
-            torch.testing.assert_close(got[net][name], tensor, rtol=1e-5, atol=1e-6)
 
 
 def test_loop_values_survive_a_weights_only_checkpoint():
@@ -322,9 +319,9 @@ def test_loop_values_survive_a_weights_only_checkpoint():
         "rng": np.random.default_rng(3),
     }
     buffer = io.BytesIO()
-    torch.save(leanrl_utils.resume.to_plain(values), buffer)
+    torch.save(leanrl_utils.state.to_plain(values), buffer)
     buffer.seek(0)
-    back = leanrl_utils.resume.from_plain(torch.load(buffer, weights_only=True))
+    back = leanrl_utils.state.from_plain(torch.load(buffer, weights_only=True))
     assert back["counts"] == (1, 2.5, 3.0, None, "s")
     assert back["queue"] == values["queue"] and back["queue"].maxlen == 5
     assert all(a.dtype == b.dtype and (a == b).all() for a, b in zip(back["arrays"], values["arrays"]))

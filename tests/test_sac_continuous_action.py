@@ -1,5 +1,5 @@
-"""SAC pair: the lean update against the plain script's update and against itself compiled, the
-networks of the two scripts, the replay buffers across autoresets, bad input, and learning."""
+"""SAC pair: the update (lean against plain, compiled against eager), the networks of the two scripts,
+changed networks, --no-autotune with two envs, and learning."""
 
 import copy
 import math
@@ -11,36 +11,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 from conftest import (
     TINY,
-    NumpyDrawingAsLean,
-    assert_one_line_error,
-    assert_same_run,
-    build_plain_targets_too,
-    load_script,
+    pair,
     recorded_runs,
     run_script,
-    scripts,
-    short_env,
 )
 from tensordict import from_module
 
 import leanrl_utils
 
-PAIR = scripts("sac_continuous_action*.py")
-PLAIN_PATH = scripts("sac_continuous_action.py")[0]
-LEAN_PATH = scripts("sac_continuous_action_torchcompile.py")[0]
+FAMILY = "sac_continuous_action"
+PAIR = pair(FAMILY)
 
-
-@pytest.fixture(scope="module")
-def plain():
-    return load_script(PLAIN_PATH)
-
-
-@pytest.fixture(scope="module")
-def lean():
-    return load_script(LEAN_PATH)
-
-
-# ---------------------------------------------------------------- update numerics
 
 N_OBS, N_ACT, BATCH, ROWS = 3, 2, 32, 512
 LOW, HIGH = np.array([-1.0, -3.0], np.float32), np.array([1.0, 1.0], np.float32)
@@ -122,14 +103,9 @@ def state_of(nets):
 
 @pytest.mark.parametrize("autotune", [True, False], ids=["autotune", "fixed-alpha"])
 def test_lean_update_is_the_plain_update(plain, lean, autotune):
-    """The lean steps (batched critics, written-out log-probability, torch.func gradients,
-    functional Adam, lerp_ targets) against the plain script's (two SoftQNetworks,
-    torch.distributions.Normal, loss.backward, optim.Adam, CleanRL's target loop), written out as
-    in sac_continuous_action.py, from the same parameters on the same batches with the same noise
-    (the RNG seeded alike before each step; both draw it in the same order and shapes). Four
-    steps with two actor steps each second step. Tolerance: rtol 1e-4, atol 1e-5: the two compute
-    the same float32 math in another order (a batched matmul, log N written out); the largest
-    differences seen were 1.1e-6 in a parameter and 2.4e-7 in a metric."""
+    """The lean steps (batched critics, written-out log-probability, torch.func, functional Adam,
+    lerp_ targets) against the plain script's as written in sac_continuous_action.py, with the same noise,
+    4 steps with two actor steps each second step (rtol 1e-4, atol 1e-5; seen 1.1e-6 and 2.4e-7)."""
     args = plain.Args(autotune=autotune, alpha=0.1)
     state = initial_state(plain)
     nets, storage, update_critic, update_actor, update_target, target_params = lean_learner(lean, args, state)
@@ -204,11 +180,8 @@ def test_lean_update_is_the_plain_update(plain, lean, autotune):
 
 
 def test_compiled_update_matches_eager(lean, plain, inductor_fallback_random):
-    """From the same parameters and the same batches (and, with fallback_random, the same noise),
-    compiled steps give the eager losses and parameters, the target update in place between
-    them read by the next compiled critic step. Tolerance: rtol 1e-4, atol 1e-5 (fusion reorders
-    float32 sums; one Adam step moves a parameter by at most lr, so a reordered near-zero
-    gradient stays within atol)."""
+    """Compiled steps give the eager losses and parameters with the same noise (fallback_random), the
+    in-place target update read by the next compiled step (rtol 1e-4, atol 1e-5: fusion reorders sums)."""
     args = lean.Args()
     state = initial_state(plain)
     eager = lean_learner(lean, args, state)
@@ -251,8 +224,6 @@ def test_lean_networks_compute_what_the_plain_ones_do(plain, lean, monkeypatch):
         outputs.append((action, log_prob, mean, [p.grad.clone() for p in actor.parameters()]))
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)
 
-
-# ---------------------------------------------------------------- networks changed by a researcher
 
 # Another width, another activation, and maybe one more hidden layer, in both networks.
 CHANGES = {
@@ -369,150 +340,6 @@ def test_changed_networks_train_in_a_whole_run(lean, monkeypatch, tmp_path):
     assert all(torch.isfinite(v).all() for v in final.values())
     assert all(math.isfinite(logs[-1][name]) for name in lean.METRICS)
 
-
-# ---------------------------------------------------------------- buffers and autoreset
-
-
-def pendulum_dynamics_hold(obs, action, next_obs):
-    """Pendulum-v1's equations of motion (gymnasium 1.x, g=10, m=l=1, dt=0.05): next_obs is
-    what one step from obs under action gives. A transition spanning a reset breaks them."""
-    th = np.arctan2(obs[:, 1], obs[:, 0])
-    u = np.clip(action[:, 0], -2.0, 2.0)
-    newthdot = np.clip(obs[:, 2] + (3 * 10.0 / 2 * np.sin(th) + 3.0 * u) * 0.05, -8.0, 8.0)
-    newth = th + newthdot * 0.05
-    expected = np.stack([np.cos(newth), np.sin(newth), newthdot], 1)
-    return np.abs(expected - next_obs).max(1) < 1e-4
-
-
-def fill_buffer(module, env_id, num_envs, steps, workdir, monkeypatch):
-    """Step a SAME_STEP vector env of the script through autoresets as its training loop does,
-    storing each step in the script's own buffer. Returns every stored transition as numpy
-    (obs, action, reward, next_obs, done) in write order, and the log of (step, env, final_obs,
-    reset_obs, terminated) for every episode end."""
-    monkeypatch.chdir(workdir)
-    args = module.Args(env_id=env_id, num_envs=num_envs)
-    envs = module.make_envs(args, "test", num_envs)
-    envs.action_space.seed(0)
-    n_obs = math.prod(envs.single_observation_space.shape)
-    n_act = math.prod(envs.single_action_space.shape)
-    size = steps * num_envs
-    if hasattr(module, "make_update"):
-        fields = {
-            "obs": ((n_obs,), torch.float32), "actions": ((n_act,), torch.float32), "rewards": ((), torch.float32),
-            "next_obs": ((n_obs,), torch.float32), "dones": ((), torch.float32),
-        }  # fmt: skip
-        rb = module.ReplayBuffer(size, fields, 7 * num_envs, "cpu")
-    else:
-        rb = module.ReplayBuffer(size, n_obs, n_act)
-    ends = []
-    obs, _ = envs.reset(seed=0)
-    for t in range(steps):
-        actions = envs.action_space.sample()
-        next_obs, rewards, terminations, truncations, infos = envs.step(actions)
-        real_next_obs = module.vector.real_next_obs(next_obs, infos)
-        if hasattr(rb, "storage"):
-            rb.add(obs=obs, actions=actions, rewards=rewards, next_obs=real_next_obs, dones=terminations)
-        else:
-            rb.add(obs, real_next_obs, actions, rewards, terminations)
-        for i in np.flatnonzero(np.logical_or(terminations, truncations)):
-            ends.append(
-                (t, i, np.asarray(infos["final_obs"][i], np.float32), next_obs[i].astype(np.float32), bool(terminations[i]))
-            )
-        obs = next_obs
-    envs.close()
-    if hasattr(rb, "storage"):
-        rb.flush()
-        stored = tuple(rb.storage[k].numpy() for k in ("obs", "actions", "rewards", "next_obs", "dones"))
-    else:
-        stored = (rb.obs, rb.actions, rb.rewards[:, 0], rb.next_obs, rb.dones[:, 0])
-    assert rb.size == size
-    return stored, ends
-
-
-@pytest.mark.parametrize("script", PAIR, ids=lambda s: s.stem)
-def test_buffer_never_spans_an_autoreset(script, workdir, monkeypatch):
-    """Pendulum-v1 truncates at 200 steps. Through two rounds of autoresets on two envs, every
-    stored transition obeys the pendulum's equations of motion (one that went from a final
-    observation to a reset one would not), the stored next_obs of each last step is the final
-    observation and not the reset one, and a truncation is stored as not done (bootstrapped)."""
-    module = load_script(script)
-    num_envs, steps = 2, 450
-    (obs, action, reward, next_obs, done), ends = fill_buffer(module, "Pendulum-v1", num_envs, steps, workdir, monkeypatch)
-    assert len(obs) == num_envs * steps and len(ends) == 4
-    assert pendulum_dynamics_hold(obs, action, next_obs).all()
-    assert not done.any()
-    for t, i, final_obs, reset_obs, terminated in ends:
-        row = t * num_envs + i
-        assert not terminated
-        np.testing.assert_allclose(next_obs[row], final_obs, rtol=0, atol=1e-6)
-        assert np.abs(next_obs[row] - reset_obs).max() > 1e-3
-        np.testing.assert_allclose(obs[row + num_envs], reset_obs, rtol=0, atol=1e-6)
-
-
-@pytest.mark.parametrize("script", PAIR, ids=lambda s: s.stem)
-def test_buffer_keeps_terminations_apart(script, workdir, monkeypatch):
-    """InvertedPendulum-v5 terminates within a few dozen random steps: those transitions are
-    stored as done with their true final observation, every other one as not done."""
-    module = load_script(script)
-    (obs, _, _, next_obs, done), ends = fill_buffer(module, "InvertedPendulum-v5", 2, 150, workdir, monkeypatch)
-    terminal_rows = {t * 2 + i for t, i, _, _, terminated in ends if terminated}
-    assert len(terminal_rows) >= 2
-    assert set(np.flatnonzero(done)) == terminal_rows
-    for t, i, final_obs, reset_obs, _ in ends:
-        np.testing.assert_allclose(next_obs[t * 2 + i], final_obs, rtol=0, atol=1e-6)
-        assert np.abs(final_obs - reset_obs).max() > 1e-3
-
-
-# ---------------------------------------------------------------- whole run
-
-
-def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path):
-    """Given the same random numbers, the two scripts make the same run (the lean one eager, which
-    needs no compile): the same envs and seeds, initial weights, random first actions, stored
-    transitions (3 time-limit truncations), minibatches, sampled actions and their log-
-    probabilities, the entropy coefficient's tuning, delayed actor updates and Polyak target
-    updates, over 150 steps and 86 updates. So the scripts differ only in how they draw the
-    minibatch rows (torch on the device against numpy: the same distribution) and in float
-    rounding.
-
-    Short, because longer runs drift apart by rounding alone: once a ReLU input near zero
-    changes sign, the gradients of its weights change, and Adam (eps 1e-8) turns a tiny gradient
-    into a whole step (TD3 at 250 steps: the first critic's weights 7e-5 apart, the second's
-    2e-7)."""
-    monkeypatch.chdir(tmp_path)
-    args = dict(env_id=short_env("Pendulum-v1", 40), total_timesteps=150, learning_starts=64, batch_size=32, buffer_size=1000)
-    monkeypatch.setattr(plain, "np", NumpyDrawingAsLean())
-    build_plain_targets_too(lean, monkeypatch, ["SoftQNetwork", "SoftQNetwork"])
-    plain_run, lean_run = recorded_runs([plain, lean], args, monkeypatch)
-    assert len(lean_run[0]) == 2
-    assert_same_run(plain_run, lean_run, lean.METRICS)
-
-
-# ---------------------------------------------------------------- bad input
-
-BAD_INPUT = {
-    "discrete action space": (["--env-id", "CartPole-v1"], ["Discrete", "continuous"]),
-    "batch larger than buffer": (["--batch-size", "512", "--buffer-size", "256"], ["--batch-size", "--buffer-size"]),
-    "envs larger than buffer": (
-        ["--num-envs", "4", "--buffer-size", "2", "--batch-size", "2"],
-        ["--num-envs", "--buffer-size"],
-    ),
-    "policy frequency 0": (["--policy-frequency", "0"], ["--policy-frequency"]),
-}
-
-
-@pytest.mark.parametrize("case", BAD_INPUT)
-@pytest.mark.parametrize("script", PAIR, ids=lambda s: s.stem)
-def test_bad_input_is_one_line(script, case, workdir):
-    argv, words = BAD_INPUT[case]
-    _, proc = run_script(
-        script, "--total-timesteps", "100", "--learning-starts", "50", *argv, cwd=workdir, check=False, timeout=120
-    )
-    assert proc.returncode == 2
-    assert_one_line_error(proc, *words)
-
-
-# ---------------------------------------------------------------- learning
 
 # Pendulum-v1: random actions score about -1200 per episode; SAC swings the pendulum up and
 # holds it. Budget: 6000 env steps (5000 updates of batch 128). Seen here, mean of the last 10

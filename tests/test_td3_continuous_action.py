@@ -1,5 +1,5 @@
-"""TD3 pair: the update (lean against plain, compiled against eager), the replay buffers across
-episode boundaries, --num-envs, bad input, and learning on Pendulum."""
+"""TD3 pair: the update (lean against plain, compiled against eager, changed networks too), --num-envs,
+and learning on Pendulum."""
 
 import copy
 
@@ -10,40 +10,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 from conftest import (
     TINY,
-    NumpyDrawingAsLean,
-    assert_one_line_error,
-    assert_same_run,
-    build_plain_targets_too,
-    load_script,
-    recorded_runs,
+    pair,
     run_script,
-    scripts,
-    short_env,
 )
 from tensordict import TensorDict, from_module
+from test_continuous_buffers import KEYS, make_buffer
 
 import leanrl_utils
 
-PLAIN_PATH, LEAN_PATH = scripts("td3_continuous_action.py")[0], scripts("td3_continuous_action_torchcompile.py")[0]
-BOTH = [PLAIN_PATH, LEAN_PATH]
+FAMILY = "td3_continuous_action"
+PLAIN_PATH, LEAN_PATH = BOTH = pair(FAMILY)
 N_OBS, N_ACT = 11, 3
 LOW, HIGH = np.full(N_ACT, -2, np.float32), np.full(N_ACT, 2, np.float32)
 BOUNDS = (torch.as_tensor(LOW), torch.as_tensor(HIGH))
-KEYS = ("obs", "actions", "rewards", "next_obs", "dones")
-
-
-@pytest.fixture(scope="module")
-def plain():
-    return load_script(PLAIN_PATH)
-
-
-@pytest.fixture(scope="module")
-def lean():
-    return load_script(LEAN_PATH)
-
-
-def module_of(path, plain, lean):
-    return plain if path == PLAIN_PATH else lean
 
 
 class ChangedQNetwork(nn.Module):
@@ -93,30 +72,6 @@ def network(request, plain, lean, monkeypatch):
             monkeypatch.setattr(module, "Actor", ChangedActor)
             monkeypatch.setattr(module, "QNetwork", ChangedQNetwork)
     return request.param
-
-
-def make_buffer(module, buffer_size, n_obs, n_act, stage_rows):
-    if module.__name__.endswith("_torchcompile"):
-        fields = {
-            "obs": ((n_obs,), torch.float32),
-            "actions": ((n_act,), torch.float32),
-            "rewards": ((), torch.float32),
-            "next_obs": ((n_obs,), torch.float32),
-            "dones": ((), torch.float32),
-        }
-        return module.ReplayBuffer(buffer_size, fields, stage_rows, "cpu")
-    return module.ReplayBuffer(buffer_size, n_obs, n_act)
-
-
-def stored(rb):
-    """The buffer's fields as numpy arrays, whichever design it has."""
-    if hasattr(rb, "storage"):
-        rb.flush()
-        return {k: rb.storage[k].numpy() for k in KEYS}
-    return {k: getattr(rb, k) for k in KEYS}
-
-
-# ---------------------------------------------------------------- update numerics
 
 
 def update_case(lean, batch_size=32, buffer_size=300):
@@ -213,12 +168,9 @@ def run_plain(plain, networks, storage, batches, args):
 
 
 def test_derived_critics_and_policy_act_as_the_modules(lean, network):
-    """The lean forms of the networks are derived from the modules, never written out: with
-    CleanRL's networks and with changed ones (width, activation, an extra layer), the twin
-    critics on the stacked parameters give each QNetwork's own forward, the first critic the
-    first one's, also after an in-place step on the stack (as Adam's), and the policy without
-    noise gives the actor's action. Tolerance of the twin critics: rtol 1e-5, atol 1e-6 (a batched
-    matmul may sum in another order); the first critic runs the module's own ops: exact."""
+    """With CleanRL's networks and changed ones, the twin critics on the stacked parameters give each
+    QNetwork's forward (1e-5/1e-6) and the first critic the first one's (exact), also after an in-place
+    step, and the noiseless policy the actor's action."""
     torch.manual_seed(0)
     actor, qf1, qf2 = lean.Actor(N_OBS, N_ACT, LOW, HIGH), lean.QNetwork(N_OBS, N_ACT), lean.QNetwork(N_OBS, N_ACT)
     q_params = dict(leanrl_utils.seeds.stack([qf1, qf2]).items())
@@ -240,16 +192,9 @@ def test_derived_critics_and_policy_act_as_the_modules(lean, network):
 
 
 def test_lean_update_is_the_plain_update(plain, lean, network):
-    """From the same parameters, on the same batches with the same target-policy noise, four
-    lean update steps (stacked critics, torch.func gradients, fused functional Adam, one lerp_
-    for the targets) agree with the plain script's (two critic modules, loss.backward,
-    optim.Adam, the Polyak loops): the metrics, every network and every target, the critics read
-    through the qf1 and qf2 modules that checkpoints save. With changed networks too: the lean
-    update's critics are derived from QNetwork.
-
-    Tolerance: rtol 1e-5, atol 1e-6. The batched critics sum their matmuls in another order and
-    fused Adam rounds differently from optim.Adam (differences seen: below 1e-6); a wrong
-    coefficient, a swapped critic or a missing term moves them by 1e-3 or more."""
+    """Four lean steps (stacked critics, torch.func, fused Adam, one lerp_ for the targets) against the
+    plain script's loop (changed networks too): metrics, networks and targets within rtol 1e-5, atol
+    1e-6 (seen below 1e-6; a wrong term moves them by 1e-3 or more)."""
     args, networks, storage, batches = update_case(lean)
     lean_nets, (_, target_params), _ = case = make_lean(lean, networks, storage, args, compiled=False)
     lean_metrics = run_lean(case, batches, args)
@@ -292,102 +237,6 @@ def test_compiled_update_matches_eager(lean, inductor_fallback_random):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "the compiled update recompiled"
 
 
-# ---------------------------------------------------------------- buffers and autoreset
-
-
-def pendulum_step(obs, action):
-    """Pendulum-v1's dynamics (gymnasium 1.x): the observation a transition must reach."""
-    g, m, length, dt = 10.0, 1.0, 1.0, 0.05
-    th = np.arctan2(obs[:, 1], obs[:, 0])
-    thdot = obs[:, 2]
-    u = np.clip(action[:, 0], -2.0, 2.0)
-    newthdot = np.clip(thdot + (3 * g / (2 * length) * np.sin(th) + 3.0 / (m * length**2) * u) * dt, -8, 8)
-    newth = th + newthdot * dt
-    return np.stack([np.cos(newth), np.sin(newth), newthdot], axis=1)
-
-
-def collect(module, env_id, num_envs, steps, buffer_size):
-    """Random actions through the script's own vector env and buffer, stored as main stores
-    them; returns the buffer and the (step, env, final obs, reset obs, terminated) of each end."""
-    args = module.Args(env_id=env_id, num_envs=num_envs)
-    envs = module.make_envs(args, "test", num_envs)
-    envs.action_space.seed(0)
-    n_obs, n_act = envs.single_observation_space.shape[0], envs.single_action_space.shape[0]
-    rb = make_buffer(module, buffer_size, n_obs, n_act, stage_rows=3 * num_envs)
-    obs, _ = envs.reset(seed=0)
-    ends = []
-    for step in range(steps):
-        actions = envs.action_space.sample()
-        next_obs, rewards, terminations, truncations, infos = envs.step(actions)
-        rb.add(
-            obs=obs,
-            actions=actions,
-            rewards=rewards,
-            next_obs=module.vector.real_next_obs(next_obs, infos),
-            dones=terminations,
-        )
-        for i in np.flatnonzero(np.logical_or(terminations, truncations)):
-            ends.append((step, i, infos["final_obs"][i], next_obs[i].copy(), bool(terminations[i])))
-        obs = next_obs
-    envs.close()
-    return rb, ends
-
-
-@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
-def test_buffer_never_spans_an_episode_boundary(path, plain, lean):
-    """Two Pendulum envs run past their 200-step time limit under SAME_STEP autoreset. Every
-    stored transition obeys Pendulum's dynamics from its observation and action, which a
-    transition from a final state to the next episode's reset state cannot; at each boundary
-    the stored next observation is the final one (not the reset one) and the stored done is 0
-    (a truncation bootstraps)."""
-    num_envs, steps = 2, 230
-    rb, ends = collect(module_of(path, plain, lean), "Pendulum-v1", num_envs, steps, buffer_size=1000)
-    assert [(step, i) for step, i, *_ in ends] == [(199, 0), (199, 1)]
-    data = {k: v[: steps * num_envs] for k, v in stored(rb).items()}
-    obs, actions, next_obs = data["obs"], data["actions"], data["next_obs"]
-    np.testing.assert_allclose(next_obs, pendulum_step(obs, actions), atol=1e-4)
-    assert not data["dones"].any()
-    for step, i, final_obs, reset_obs, _ in ends:
-        row = step * num_envs + i
-        np.testing.assert_allclose(next_obs[row], final_obs, atol=1e-6)
-        # The check above can fail: the reset observation breaks the dynamics.
-        assert np.abs(pendulum_step(obs[row : row + 1], actions[row : row + 1])[0] - reset_obs).max() > 1e-2
-        np.testing.assert_allclose(obs[row + num_envs], reset_obs, atol=1e-6)
-
-
-@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
-def test_buffer_keeps_terminations_apart_and_wraps(path, plain, lean):
-    """InvertedPendulum terminates when the pole falls: those rows store done 1 and the final
-    observation; every other row stores done 0. The ring buffer (7 rows, 2 envs: the writes
-    straddle its end) holds the last 7 transitions in place, and samples only valid rows."""
-    module = module_of(path, plain, lean)
-    rb, ends = collect(module, "InvertedPendulum-v5", 2, 40, buffer_size=7)
-    terminated = [(step, i, final) for step, i, final, _, term in ends if term]
-    assert terminated, "no episode terminated: the test saw no termination"
-    data = stored(rb)
-    assert data["obs"].shape == (7, 4) and data["dones"].shape == (7,)
-    # 80 transitions written in pairs: row r holds the last transition k with k % 7 == r.
-    for k in range(80 - 7, 80):
-        step, i = divmod(k, 2)
-        ended = [final for s, j, final in terminated if (s, j) == (step, i)]
-        assert data["dones"][k % 7] == (1.0 if ended else 0.0), (step, i)
-        if ended:
-            np.testing.assert_allclose(data["next_obs"][k % 7], ended[0], atol=1e-6)
-
-    small = make_buffer(module, 50, N_OBS, N_ACT, stage_rows=10)
-    rows = {
-        k: np.random.default_rng(0).normal(size=(5, *shape)).astype(np.float32)
-        for k, shape in (("obs", (N_OBS,)), ("actions", (N_ACT,)), ("rewards", ()), ("next_obs", (N_OBS,)), ("dones", ()))
-    }
-    small.add(**rows)
-    sample = small.sample(256) if hasattr(small, "storage") else small.sample(256, "cpu")
-    if hasattr(small, "storage"):
-        assert 0 <= int(sample.min()) and int(sample.max()) < 5
-    else:
-        valid = torch.as_tensor(rows["obs"])
-        assert all(any(torch.equal(o, v) for v in valid) for o in sample[0])
-
-
 @pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
 def test_num_envs_steps_all_envs_and_updates_once_per_step(path, workdir):
     """--num-envs 2: each step stores two transitions and makes one update, so the same
@@ -401,82 +250,13 @@ def test_num_envs_steps_all_envs_and_updates_once_per_step(path, workdir):
     assert two["updates"] == (total - starts) // 2
 
 
-# ---------------------------------------------------------------- whole run
-
-
-def test_same_random_draws_make_the_same_run(plain, lean, network, monkeypatch, tmp_path):
-    """Given the same random numbers, the two scripts make the same run (the lean one eager, which
-    needs no compile): the same envs and seeds, initial weights, random first actions, stored
-    transitions (3 time-limit truncations), minibatches, exploration noise, target-policy
-    smoothing noise, delayed actor updates and Polyak target updates, over 120 steps and 56
-    updates. So the scripts differ only in how they draw the minibatch rows (torch on the device
-    against numpy: the same distribution) and in float rounding.
-
-    Short, because longer runs drift apart by rounding alone: once a ReLU input near zero
-    changes sign, the gradients of its weights change, and Adam (eps 1e-8) turns a tiny gradient
-    into a whole step (here at step 134: the actor's weights move from 6e-8 to 2e-5 apart in
-    one update). With changed networks too: the lean critics follow QNetwork."""
-    monkeypatch.chdir(tmp_path)
-    args = dict(env_id=short_env("Pendulum-v1", 40), total_timesteps=120, learning_starts=64, batch_size=32, buffer_size=1000)
-    monkeypatch.setattr(plain, "np", NumpyDrawingAsLean())
-    build_plain_targets_too(lean, monkeypatch, ["QNetwork", "QNetwork", "Actor"])
-    plain_run, lean_run = recorded_runs([plain, lean], args, monkeypatch)
-    assert len(lean_run[0]) == 2
-    assert_same_run(plain_run, lean_run, lean.METRICS)
-
-
-# ---------------------------------------------------------------- bad input
-
-
-@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
-@pytest.mark.parametrize(
-    "flags, words",
-    [
-        (["--env-id", "CartPole-v1"], ["CartPole-v1", "Discrete", "continuous"]),
-        (["--env-id", "Pendulm-v1"], ["Pendulm-v1", "unknown"]),
-        (["--batch-size", "300", "--buffer-size", "200"], ["--batch-size 300", "--buffer-size 200"]),
-        (["--num-envs", "4", "--buffer-size", "2", "--batch-size", "2"], ["--num-envs 4", "--buffer-size 2"]),
-        (["--policy-frequency", "0"], ["--policy-frequency 0"]),
-        (["--total-timesteps", "-5"], ["--total-timesteps -5"]),
-        (["--tau", "2"], ["--tau 2"]),
-    ],
-    ids=[
-        "discrete-actions",
-        "unknown-env",
-        "batch-over-buffer",
-        "envs-over-buffer",
-        "policy-frequency-0",
-        "negative-total",
-        "tau-2",
-    ],
-)
-def test_bad_input_is_one_line(path, flags, words, workdir):
-    _, proc = run_script(path, *flags, cwd=workdir, check=False)
-    assert_one_line_error(proc, *words)
-    assert proc.returncode == 2
-
-
-# ---------------------------------------------------------------- learning
-
 # A budget of 8,000 env steps on Pendulum-v1 (random returns about -1,200; a solved swing-up
 # about -150), with a larger learning rate (1e-3) and a smaller batch (128) than the HalfCheetah
 # defaults, so that a run takes about a minute on a 2-core CPU. Mean of the last 10 episodes
 # seen on seeds 1, 2, 3: plain -152.6, -173.5, -222.4; lean -151.8, -175.7, -222.2. The
 # threshold leaves a margin of about 180 below the worst.
-LEARN_ARGS = [
-    "--env-id",
-    "Pendulum-v1",
-    "--total-timesteps",
-    "8000",
-    "--learning-starts",
-    "1000",
-    "--batch-size",
-    "128",
-    "--learning-rate",
-    "1e-3",
-    "--buffer-size",
-    "10000",
-]
+LEARN_ARGS = "--env-id Pendulum-v1 --total-timesteps 8000 --learning-starts 1000 --batch-size 128 --learning-rate 1e-3".split()
+LEARN_ARGS += ["--buffer-size", "10000"]
 THRESHOLD = -400.0
 SEEDS = [1, 2, 3]  # every one passed; the suite runs the first, to stay within its budget
 

@@ -1,4 +1,4 @@
-"""leanrl_utils, tested once: atomic saves, the shorter vector-env step, the forms of a network
+"""leanrl_utils, tested once: the shorter vector-env step, the forms of a network
 derived from its nn.Module (stacked seeds in torch, acting in numpy) and their refusals, and the
 scripts on a platform without `resource` and `signal.pthread_sigmask` (Windows)."""
 
@@ -11,27 +11,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from conftest import TINY, family, scripts
+from conftest import TINY, family, last_summary, script_command, scripts
 
 import leanrl_utils
 
 ALL = scripts("*.py")
-
-
-def test_atomic_save_never_exposes_a_partial_file(tmp_path, monkeypatch):
-    """A save that dies half-way leaves the previous checkpoint whole at the final path."""
-    path = str(tmp_path / "model.pt")
-    leanrl_utils.checkpoints.atomic_save({"w": torch.ones(3)}, path)
-
-    def crash(obj, f, *args, **kwargs):
-        f.write(b"half a checkpoint")  # atomic_save hands torch.save its open .tmp file
-        raise OSError("disk full")
-
-    monkeypatch.setattr(torch, "save", crash)
-    with pytest.raises(OSError):
-        leanrl_utils.checkpoints.atomic_save({"w": torch.zeros(3)}, path)
-    monkeypatch.undo()
-    assert torch.equal(torch.load(path)["w"], torch.ones(3))
 
 
 @pytest.mark.parametrize("env_id", ["CartPole-v1", "InvertedPendulum-v5"])
@@ -71,8 +55,6 @@ def test_same_step_envs_step_as_gymnasium_does(env_id):
     theirs.close()
 
 
-# ---------------------------------------------------------------- networks written once
-
 NETWORKS = {
     "relu": lambda: nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 3)),
     "tanh, extra layer": lambda: nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 9), nn.Tanh(), nn.Linear(9, 3)),
@@ -90,6 +72,8 @@ NETWORKS = {
         nn.Linear(8, 3),
     ),  # fmt: skip
     "activation first": lambda: nn.Sequential(nn.ReLU(), nn.Linear(5, 3)),
+    # Arithmetic, a function, a method and a sliced input in the forward: followed op by op.
+    "edited forward": lambda: Edited(lambda y, x: torch.tanh(y).exp() * 2.0 - x[:, :3].flatten(1)),
 }
 
 
@@ -135,15 +119,15 @@ def test_numpy_form_leaves_the_callers_array_alone():
     assert np.array_equal(x, before)
 
 
-class Scaled(nn.Module):
-    """A forward that is more than its layers in order: the numpy form cannot follow it."""
+class Edited(nn.Module):
+    """A forward that is more than its layers in order, as `op` (its output, input) has it."""
 
-    def __init__(self):
+    def __init__(self, op):
         super().__init__()
-        self.network = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 3))
+        self.network, self.op = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 3)), op
 
     def forward(self, x):
-        return self.network(x / 255.0)
+        return self.op(self.network(x / 255.0), x)
 
 
 @pytest.mark.parametrize(
@@ -151,9 +135,10 @@ class Scaled(nn.Module):
     [
         (lambda: nn.Sequential(nn.Linear(5, 4), nn.GELU(), nn.Linear(4, 3)), ["layer 1", "GELU"]),
         (lambda: nn.Sequential(nn.Linear(5, 4), nn.Softplus(), nn.Linear(4, 3)), ["layer 1", "Softplus"]),
-        (Scaled, ["Scaled.forward"]),
+        (lambda: Edited(lambda y, x: y.softmax(-1)), ["softmax", "Edited.forward"]),
+        (lambda: Edited(lambda y, x: y if x.sum() > 0 else -y), ["trace", "Edited.forward"]),
     ],
-    ids=["gelu", "softplus", "forward"],
+    ids=["gelu", "softplus", "forward-op", "forward-branch"],
 )
 def test_what_numpy_cannot_follow_is_refused_in_one_line(make, words, capsys):
     nets, params = stacked(make, 2)
@@ -173,8 +158,6 @@ def test_stack_of_one_runs_the_modules_own_ops():
     with torch.no_grad():
         assert torch.equal(leanrl_utils.seeds.forward(nets[0])(dict(params.items()), x)[0], nets[0](x[0]))
 
-
-# ---------------------------------------------------------------- other platforms
 
 # psutil is imported first: on Linux it reads `resource` itself, which its Windows build does not.
 NO_POSIX = "import psutil, sys, signal; sys.modules['resource'] = None; del signal.pthread_sigmask"
@@ -196,16 +179,12 @@ def test_every_script_imports_without_posix_only_modules(tmp_path):
 @pytest.mark.parametrize("script", [s for s in ALL if family(s) == "dqn"], ids=lambda s: s.stem)
 def test_a_tiny_run_without_posix_only_modules(script, tmp_path):
     """A whole tiny run there: it trains, saves and prints its summary (peak memory from psutil)."""
-    import json
-
-    from conftest import script_command
-
     proc = subprocess.run(
         [*script_command(script, before=NO_POSIX), *TINY[family(script)], "--save-model"],
         cwd=tmp_path, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    summary = last_summary(proc.stdout)
     assert summary["updates"] > 0 and summary["checkpoint"] and summary["peak_rss_mb"] > 0
 
 

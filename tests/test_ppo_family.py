@@ -1,0 +1,392 @@
+"""Both gym PPO pairs, one test each: the update (lean against plain, compiled against eager, a stack of one),
+GAE, --target-kl, a layer numpy cannot follow, determinism and learning. Each pair's own behaviours are in
+test_ppo.py and test_ppo_continuous_action.py; what every pair shares, in test_pairs.py."""
+
+import copy
+import csv
+import math
+import types
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+from conftest import (
+    TINY,
+    family,
+    is_lean,
+    load_script,
+    pair,
+    refused_in_process,
+    run_script,
+    stack_of_one,
+    unstacked,
+)
+
+import leanrl_utils
+
+FAMILIES = ["ppo", "ppo_continuous_action"]
+PATHS = [path for family in FAMILIES for path in pair(family)]
+N_OBS, N_ACT, BATCH, MINIBATCH = {"ppo": 4, "ppo_continuous_action": 11}, 3, 256, 64
+
+
+def discrete_batch(g, n_obs=4, n_act=N_ACT, n=BATCH):
+    """A rollout: obs, actions, old log-probabilities near log(1/3) (some ratios leave the clip
+    range), advantages, returns and values."""
+    logprobs = torch.randn(n, generator=g) * 0.3 - np.log(n_act)
+    obs, actions = torch.randn(n, n_obs, generator=g), torch.randint(0, n_act, (n,), generator=g)
+    return obs, actions, logprobs, *(torch.randn(n, generator=g) for _ in range(3))
+
+
+def continuous_batch(g, n_obs=11, n_act=N_ACT, n=BATCH):
+    return (
+        torch.randn(n, n_obs, generator=g),
+        torch.randn(n, n_act, generator=g),
+        *(torch.randn(n, generator=g) - shift for shift in (3.0, 0.0, 0.0, 0.0)),
+    )
+
+
+def changed_mlp(n_in, n_out, activation, device=None):
+    """A researcher's edit of a PPO network: other widths, `activation` first, ReLU after, an extra layer."""
+    widths = [n_in, 32, 48, 16, n_out]
+    layers = [nn.Linear(a, b, device=device) for a, b in zip(widths, widths[1:])]
+    return nn.Sequential(layers[0], activation(), layers[1], nn.ReLU(), layers[2], nn.ReLU(), layers[3])
+
+
+def changed_agent(lean, activation=nn.ReLU):
+    """A researcher's edit of Agent, its forward kept: the critic and the actor changed (`changed_mlp`)."""
+    continuous = "continuous" in lean.__name__
+
+    class ChangedAgent(lean.Agent):
+        def __init__(self, n_obs, n_act, device=None):
+            nn.Module.__init__(self)
+            self.critic = changed_mlp(n_obs, 1, activation, device)
+            setattr(self, "actor_mean" if continuous else "actor", changed_mlp(n_obs, n_act, activation, device))
+            if continuous:
+                self.actor_logstd = nn.Parameter(torch.full((1, n_act), -0.5, device=device))
+
+    return ChangedAgent
+
+
+def stacked_policy(lean, agents, host):
+    """The agents stacked, the lean policy over them (numpy generator seed 5), that generator's twin,
+    64 observations of 6 values per seed, and the tolerance: one seed in torch runs the module's own
+    ops (bit for bit), numpy and vmapped seeds within float32 rounding (1e-5)."""
+    params = leanrl_utils.seeds.stack(agents)
+    policy = lean.make_policy(agents[0], dict(params.items()), len(agents), host, seed=5)
+    exact = dict(rtol=0, atol=0) if len(agents) == 1 and not host else dict(rtol=1e-5, atol=1e-5)
+    return params, policy, np.random.default_rng(5), torch.randn(len(agents) * 64, 6), exact
+
+
+def inverse_cdf(logits, uniforms):
+    """The action the lean policy draws from `logits` [rows, n] for uniforms [rows, 1] in [0, 1)."""
+    cdf = (logits - logits.max(-1, keepdim=True).values).exp().cumsum(-1)
+    return (cdf <= uniforms * cdf[:, -1:]).sum(-1).clamp(max=logits.shape[-1] - 1)
+
+
+def discrete_torch_act(agent, obs):
+    """What the lean torch policy acts: the inverse CDF of the actor's softmax at torch.rand, and the value."""
+    logits, value = agent(obs)
+    return inverse_cdf(logits, torch.rand(len(obs), 1)), value
+
+
+def continuous_torch_act(agent, obs):
+    mean, logstd, value = agent(obs)
+    return mean + logstd.exp() * torch.randn(mean.shape), value
+
+
+def discrete_draws(plain, rng, monkeypatch):
+    """The plain script's Categorical draws as the lean CPU policy does (inverse CDF at numpy's
+    float32 uniforms); returns the draw the lean policy makes, unused, when it bootstraps."""
+
+    class Categorical(torch.distributions.Categorical):
+        def sample(self, sample_shape=torch.Size()):
+            return inverse_cdf(self.logits, torch.from_numpy(rng.random((len(self.logits), 1), dtype=np.float32)))
+
+    monkeypatch.setattr(plain, "Categorical", Categorical)
+    return lambda agent, obs: rng.random((len(obs), 1), dtype=np.float32)
+
+
+def continuous_draws(plain, rng, monkeypatch):
+    """The plain script's Normal draws as the lean CPU policy does (numpy's float32 standard normals)."""
+
+    class Normal(torch.distributions.Normal):
+        def sample(self, sample_shape=torch.Size()):
+            return self.loc + self.scale * torch.from_numpy(rng.standard_normal(tuple(self.loc.shape), dtype=np.float32))
+
+    monkeypatch.setattr(plain, "Normal", Normal)
+    return lambda agent, obs: rng.standard_normal((len(obs), agent.actor_logstd.shape[1]), dtype=np.float32)
+
+
+# Per family: its rollout batch, the update's Args (a small max_grad_norm makes the clipping bite),
+# the actor's name, what the torch policy acts, how the plain script is made to draw as the lean
+# one, and the env of the whole-run test.
+SPEC = {
+    "ppo": dict(batch=discrete_batch, args=dict(max_grad_norm=0.05), actor="actor", torch_act=discrete_torch_act,
+                draws=discrete_draws, env_id="CartPole-v1"),
+    "ppo_continuous_action": dict(batch=continuous_batch, args=dict(max_grad_norm=0.05, ent_coef=0.01), actor="actor_mean",
+                                  torch_act=continuous_torch_act, draws=continuous_draws, env_id="InvertedPendulum-v5"),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def fam(request):
+    """A family's plain and lean scripts, imported, with its SPEC."""
+    plain, lean = (load_script(path) for path in pair(request.param))
+    spec = dict(SPEC[request.param], args=lean.Args(**SPEC[request.param]["args"]))
+    return types.SimpleNamespace(plain=plain, lean=lean, n_obs=N_OBS[request.param], **spec)
+
+
+def lean_update(lean, agent, args, compiled):
+    """A lean minibatch update of one agent, eager (fused Adam) or compiled into one graph
+    (per-tensor Adam), and the lr tensor it reads."""
+    lr = torch.tensor(args.learning_rate)
+    update = lean.make_update(agent, leanrl_utils.optimizers.Adam(stack_of_one(agent), lr, eps=1e-5, fused=not compiled), args)
+    options = {"guard_filter_fn": leanrl_utils.speed.value_guards}
+    return unstacked(torch.compile(update, fullgraph=True, options=options) if compiled else update), lr
+
+
+def minibatches(generator, updates, rates, learning_rate):
+    """Per update: the lr tensors annealed in place as the loops do, and a minibatch's indices."""
+    for step in range(updates):
+        for rate in rates:
+            rate.copy_((1.0 - step / updates) * learning_rate)
+        yield torch.randperm(BATCH, generator=generator)[:MINIBATCH]
+
+
+def plain_step(agent, optimizer, args, minibatch):
+    """The plain PPO scripts' minibatch step, as written in their loops."""
+    obs, actions, logprobs, advantages, returns, values = minibatch
+    _, newlogprob, entropy, newvalue = agent.get_action_and_value(obs, actions)
+    logratio = newlogprob - logprobs
+    ratio = logratio.exp()
+    with torch.no_grad():
+        old_approx_kl = (-logratio).mean()
+        approx_kl = ((ratio - 1) - logratio).mean()
+        clipfrac = ((ratio - 1.0).abs() > args.clip_coef).float().mean()
+    advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+    pg_loss = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)).mean()
+    newvalue = newvalue.view(-1)
+    v_clipped = values + torch.clamp(newvalue - values, -args.clip_coef, args.clip_coef)
+    v_loss = 0.5 * torch.max((newvalue - returns) ** 2, (v_clipped - returns) ** 2).mean()
+    entropy_loss = entropy.mean()
+    loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
+    optimizer.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+    optimizer.step()
+    return torch.stack([v_loss, pg_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac]).detach()
+
+
+def assert_same_parameters(a, b, **tolerance):
+    for name, value in a.state_dict().items():
+        torch.testing.assert_close(b.state_dict()[name], value, msg=name, **tolerance)
+
+
+def test_lean_update_is_the_plain_update(fam):
+    """From the plain agent's parameters, 4 lean steps (torch.func, clipping on the gradient dict, fused
+    functional Adam, a tensor lr annealed in place) give the plain steps' metrics and parameters
+    (rtol 1e-5, atol 1e-6: float32 in two summation orders), and the clipping bites."""
+    torch.manual_seed(0)
+    plain_agent, lean_agent = fam.plain.Agent(fam.n_obs, N_ACT), fam.lean.Agent(fam.n_obs, N_ACT)
+    g = torch.Generator().manual_seed(2)
+    batch = fam.batch(g)
+    lean_agent.load_state_dict(plain_agent.state_dict())
+    initial = copy.deepcopy(plain_agent)
+    update, lr = lean_update(fam.lean, lean_agent, fam.args, compiled=False)
+    optimizer = torch.optim.Adam(plain_agent.parameters(), lr=fam.args.learning_rate, eps=1e-5)
+    clipped = 0.0
+    for idx in minibatches(g, 4, (lr,), fam.args.learning_rate):
+        optimizer.param_groups[0]["lr"] = float(lr)
+        expected = plain_step(plain_agent, optimizer, fam.args, [t[idx] for t in batch])
+        torch.testing.assert_close(update(*batch, idx), expected, rtol=1e-5, atol=1e-6)
+        clipped += float(expected[-1])
+    assert_same_parameters(plain_agent, lean_agent, rtol=1e-5, atol=1e-6)
+    assert all(not torch.equal(a, b) for a, b in zip(plain_agent.parameters(), initial.parameters()))
+    assert clipped > 0  # some ratios left the clip range
+
+
+def test_compiled_update_matches_eager(fam):
+    """Three compiled steps (one graph, per-tensor Adam) agree with three eager ones (fused Adam), the lr
+    tensor changed in place between them (rtol 1e-4, atol 1e-5: inductor reorders float32 sums)."""
+    torch.manual_seed(0)
+    args, g = fam.lean.Args(), torch.Generator().manual_seed(1)
+    agents = [fam.lean.Agent(fam.n_obs, N_ACT)]
+    agents.append(copy.deepcopy(agents[0]))
+    batch = fam.batch(g)
+    (eager, lr_eager), (compiled, lr_compiled) = (lean_update(fam.lean, a, args, c) for a, c in zip(agents, (False, True)))
+    for idx in minibatches(g, 3, (lr_eager, lr_compiled), args.learning_rate):
+        torch.testing.assert_close(compiled(*batch, idx), eager(*batch, idx), rtol=1e-4, atol=1e-5)
+    assert_same_parameters(agents[0], agents[1], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("changed", [False, True], ids=["agent", "changed-agent"])
+def test_stack_of_one_update_is_the_one_agent_update(fam, changed):
+    """make_update with num_seeds 1 over a stack of one (a leading seed dimension of 1) runs the agent's
+    own ops and the same fused Adam as the unstacked update: its metrics and parameters bit for bit."""
+    torch.manual_seed(0)
+    single = (changed_agent(fam.lean) if changed else fam.lean.Agent)(fam.n_obs, N_ACT)
+    g = torch.Generator().manual_seed(3)
+    batch = fam.batch(g)
+    stacked, initial = copy.deepcopy(single), copy.deepcopy(single)
+    single_update, single_lr = lean_update(fam.lean, single, fam.args, compiled=False)
+    lr = torch.tensor(fam.args.learning_rate)
+    optimizer = leanrl_utils.optimizers.Adam(stack_of_one(stacked), lr, eps=1e-5, fused=True)
+    stacked_update = fam.lean.make_update(stacked, optimizer, fam.args, num_seeds=1)
+    for idx in minibatches(g, 3, (lr, single_lr), fam.args.learning_rate):
+        metrics = stacked_update(*(x[None] for x in batch), idx[None])
+        assert metrics.shape == (1, len(fam.lean.METRICS))
+        torch.testing.assert_close(metrics[0], single_update(*batch, idx), rtol=0, atol=0)
+    assert_same_parameters(single, stacked, rtol=0, atol=0)
+    assert all(not torch.equal(a, b) for a, b in zip(single.parameters(), initial.parameters()))
+
+
+def test_layer_without_a_numpy_form_is_one_line(fam, monkeypatch, tmp_path, capsys):
+    """A layer numpy acting has no form for (GELU) ends the run with exit 2 and one `error:` line naming
+    it, from make_policy and from main; the torch form follows the module as ever (bit for bit)."""
+    gelu_agent = changed_agent(fam.lean, activation=nn.GELU)
+    torch.manual_seed(0)
+    agents = [gelu_agent(fam.n_obs, 2) for _ in range(2)]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        fam.lean.make_policy(agents[0], dict(leanrl_utils.seeds.stack(agents).items()), 2, host=True)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("error:") and err.count("\n") == 1, err
+    assert f"{fam.actor}.1" in err and "GELU" in err, err
+    agent, obs = agents[0], torch.randn(64, fam.n_obs)
+    policy = fam.lean.make_policy(agent, dict(leanrl_utils.seeds.stack([agent]).items()), 1, host=False)
+    torch.manual_seed(7)
+    action, _, value = policy(obs)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        expected_action, expected_value = fam.torch_act(agent, obs)
+    torch.testing.assert_close(value, expected_value, rtol=0, atol=0)
+    torch.testing.assert_close(action, expected_action, rtol=0, atol=0)
+    monkeypatch.setattr(fam.lean, "Agent", gelu_agent)
+    capsys.readouterr()
+    line = refused_in_process(fam.lean, tmp_path=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    assert f"{fam.actor}.1 (GELU)" in line, line
+
+
+def reference_gae(rewards, values, dones, next_value, gamma, gae_lambda):
+    """CleanRL's loop, element by element."""
+    num_steps, num_envs = rewards.shape
+    advantages = torch.zeros_like(rewards)
+    for env in range(num_envs):
+        lastgaelam = 0.0
+        for t in reversed(range(num_steps)):
+            nextvalue = next_value[env] if t == num_steps - 1 else values[t + 1, env]
+            nonterminal = 1.0 - dones[t, env]
+            delta = rewards[t, env] + gamma * nextvalue * nonterminal - values[t, env]
+            lastgaelam = delta + gamma * gae_lambda * nonterminal * lastgaelam
+            advantages[t, env] = lastgaelam
+    return advantages
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gae_matches_reference_loop(family):
+    """dones[t]: step t ended an episode (Atari's are shifted by a step: test_ppo_atari_envpool.py)."""
+    lean = load_script(pair(family)[1])
+    g = torch.Generator().manual_seed(0)
+    rewards, values = torch.randn(50, 3, generator=g), torch.randn(50, 3, generator=g)
+    dones = (torch.rand(50, 3, generator=g) < 0.1).float()
+    dones[-1, 0] = 1.0
+    next_value = torch.randn(3, generator=g)
+    advantages, returns = lean.make_gae(0.99, 0.95)(rewards, values, dones, next_value)
+    expected = reference_gae(rewards, values, dones, next_value, 0.99, 0.95)
+    torch.testing.assert_close(advantages, expected)
+    torch.testing.assert_close(returns, expected + values)
+    # At a done step the advantage is the last reward minus the value: nothing flows back.
+    torch.testing.assert_close(advantages[-1, 0], rewards[-1, 0] - values[-1, 0])
+
+
+# --target-kl: the approx_kl of each (epoch, minibatch), scripted. Epoch 0 ends below the target but
+# averages above it; epoch 1 ends above it. CleanRL's rule (the last minibatch's approx_kl, after each
+# epoch) stops after epoch 1: 2 epochs of 2 minibatches. The epoch mean would stop after epoch 0 (2
+# updates), no rule at all after 4 epochs (8 updates). Atari's rule is tested against its plain twin.
+TARGET_KL, OFFSET = 1.0, 2.0  # a log-ratio offset of 2 gives approx_kl = e^2 - 1 - 2 = 4.39
+SCRIPTED = {(0, 0), (1, 1)}
+KL_ENVS = {"ppo": dict(num_envs=1), "ppo_continuous_action": dict(env_id="InvertedPendulum-v5")}
+
+
+@pytest.mark.parametrize("path", PATHS, ids=lambda p: p.stem)
+def test_target_kl_stops_after_the_epoch_whose_last_minibatch_exceeds_it(path, monkeypatch, tmp_path):
+    module = load_script(path)
+    minibatches, calls, logged = 2, [0], []
+
+    def scripted(k):
+        return (k // minibatches, k % minibatches) in SCRIPTED
+
+    if not is_lean(path):
+        # The plain loop computes approx_kl from the log-ratio: shift the new log-probabilities.
+        get_action_and_value = module.Agent.get_action_and_value
+
+        def shifted(self, x, action=None):
+            out = get_action_and_value(self, x, action)
+            if action is None:  # acting: a new rollout, a new update phase
+                calls[0] = 0
+                return out
+            calls[0] += 1
+            return out[0], out[1] + (OFFSET if scripted(calls[0] - 1) else 0.0), *out[2:]
+
+        monkeypatch.setattr(module.Agent, "get_action_and_value", shifted)
+    else:
+        make_policy, make_update = module.make_policy, module.make_update
+
+        def counting_policy(*args, **kwargs):
+            policy = make_policy(*args, **kwargs)
+            return lambda obs: (calls.__setitem__(0, 0), policy(obs))[1]
+
+        def scripted_update(agent, optimizer, args, *rest):
+            update = make_update(agent, optimizer, args, *rest)
+
+            def wrapped(*args):
+                metrics = update(*args).clone()
+                calls[0] += 1
+                metrics[..., module.APPROX_KL] = math.exp(OFFSET) - 1 - OFFSET if scripted(calls[0] - 1) else 0.0
+                return metrics
+
+            return wrapped
+
+        monkeypatch.setattr(module, "make_policy", counting_policy)
+        monkeypatch.setattr(module, "make_update", scripted_update)
+    log = lambda self, step, updates, metrics, networks: logged.append((updates, metrics["losses/approx_kl"]))
+    monkeypatch.setattr(leanrl_utils.Run, "log", log)
+    monkeypatch.chdir(tmp_path)
+    kl_args = dict(total_timesteps=256, num_steps=64, num_minibatches=minibatches, update_epochs=4, target_kl=TARGET_KL)
+    module.main(module.Args(**kl_args, **KL_ENVS[family(path)]))
+    updates = [u for u, _ in logged]
+    assert [b - a for a, b in zip([0] + updates, updates)] == [4, 4, 4, 4]
+    assert all(kl > TARGET_KL for _, kl in logged)  # the logged approx_kl is the last minibatch's
+
+
+@pytest.mark.parametrize("path", PATHS, ids=lambda p: p.stem)
+def test_same_seed_same_run(path, workdir):
+    """Two runs of one seed: the same summary (but its timings) and learning curve (but its wall clock)."""
+    timing = {"wall_s", "sps", "warmup_s", "peak_rss_mb", "run_dir"}
+    runs = [run_script(path, *TINY[family(path)], cwd=workdir)[0] for _ in range(2)]
+    first, second = ({k: v for k, v in run.items() if k not in timing} for run in runs)
+    assert first == second and first["updates"] == 16 and first["episodic_return"] is not None
+    curves = [
+        [(r["step"], r["episodic_return"]) for r in csv.DictReader(open(workdir / run["run_dir"] / "curve.csv"))]
+        for run in runs
+    ]
+    assert curves[0] == curves[1] and curves[0]
+
+
+# Mean of the last 10 episodes, seed 1, which held for both scripts on seeds 1, 2 and 3. CartPole
+# (max 500): 100,000 env steps. InvertedPendulum (max 1000): 40 iterations of 1024 steps (40,960
+# env steps), about a minute per script on this 2-core CPU when it is otherwise idle.
+LEARNING = {
+    "ppo": (["--total-timesteps", "100000"], 150.0),
+    "ppo_continuous_action": ("--env-id InvertedPendulum-v5 --total-timesteps 40960 --num-steps 1024".split(), 500.0),
+}
+
+
+@pytest.mark.learning
+@pytest.mark.parametrize("path", PATHS, ids=lambda p: p.stem)
+def test_learns(path, workdir):
+    argv, threshold = LEARNING[family(path)]
+    extra = ["--compile"] if is_lean(path) else []
+    summary, _ = run_script(path, *argv, "--seed", "1", *extra, cwd=workdir, timeout=900)
+    assert summary["episodic_return"] >= threshold, summary
