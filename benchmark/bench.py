@@ -110,6 +110,14 @@ FAMILIES = {
         tiny_args=["--num-envs", "2", "--num-steps", "64", "--num-minibatches", "2", "--update-epochs", "2"],
         arith=dict(args=["--total-timesteps", "1024"], steps=1024),
     ),
+    # PQN on the torch-native CartPole: as "pqn". No ceilings: the env is the script's own torch code,
+    # which gymnasium's env ceiling does not bound.
+    "pqn_torchenv": dict(
+        env_id=None,
+        num_envs=4,
+        budget=dict(full=102400, quick=20480, tiny=512),
+        tiny_args=["--num-envs", "2", "--num-steps", "64", "--num-minibatches", "2", "--update-epochs", "2"],
+    ),
     # Atari PQN: iterations of 8 x 128 steps, the first of them warm-up
     "pqn_atari_envpool": dict(
         env_id="Breakout-v5",

@@ -37,6 +37,7 @@ PAIRS = {
     "ppo": dict(full=([], 500_000), quick=([], 100_000)),
     "dqn": dict(full=([], 500_000), quick=([], 100_000)),
     "pqn": dict(full=([], 500_000), quick=([], 100_000)),
+    "pqn_torchenv": dict(full=([], 500_000), quick=([], 100_000)),
     # Breakout DQN on a CPU: learning starts at 5,000 (CleanRL: 80,000 of 10M steps); 50k steps take
     # 11-32 minutes a run on 2 cores, where the return leaves random play's 0.5-1.9 for 3.3-6.6
     "dqn_atari_envpool": dict(

@@ -25,6 +25,7 @@ SEEDS = [(f"{n} seeds", [], ["--num-seeds", str(n)]) for n in (1, 8)] + [
 CASES = {
     "dqn --num-seeds": ("dqn", ["--compile", "--learning-starts", "1000", "--total-timesteps", "12000"], SEEDS),
     "pqn --num-seeds": ("pqn", ["--compile", "--total-timesteps", "51200"], SEEDS),
+    "pqn_torchenv --num-seeds": ("pqn_torchenv", ["--compile", "--total-timesteps", "51200"], SEEDS),
     "ppo --num-seeds": ("ppo", ["--compile", "--total-timesteps", "51200"], SEEDS),
     "ppo_continuous_action --num-seeds": ("ppo_continuous_action", ["--compile", "--total-timesteps", "8192"], SEEDS),
     "ppo_atari_envpool --num-seeds": (

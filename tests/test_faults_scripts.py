@@ -32,9 +32,14 @@ import leanrl_utils
 
 ALL = scripts("*.py")
 OFF_POLICY = [s for s in ALL if family(s) in ("dqn", "dqn_atari_envpool", "sac_continuous_action", "td3_continuous_action")]
-ROLLOUT = [s for s in ALL if family(s) in ("ppo", "ppo_continuous_action", "ppo_atari_envpool", "pqn", "pqn_atari_envpool")]
+ROLLOUT = [
+    s
+    for s in ALL
+    if family(s) in ("ppo", "ppo_continuous_action", "ppo_atari_envpool", "pqn", "pqn_atari_envpool", "pqn_torchenv")
+]
 ATARI = [s for s in ALL if family(s).endswith("_envpool")]
-GYM = [s for s in ALL if s not in ATARI]
+TORCH_ENVS = [s for s in ALL if family(s).endswith("_torchenv")]  # leanrl_envs only
+GYM = [s for s in ALL if s not in ATARI + TORCH_ENVS]
 
 
 def refused(script, *argv, tmp_path, monkeypatch, capsys):
@@ -110,10 +115,13 @@ BAD_ENVS = {
 BAD_GAMES = {"unknown": ("NoSuchGame-v5", ["unknown Atari id"]), "not-a-game": ("CartPole-v1", ["unknown Atari id"])}
 
 
-# (script, env id, words the line must hold): every gymnasium script with BAD_ENVS, every Atari one with BAD_GAMES.
-UNMAKEABLE = [(s, *BAD_ENVS[case]) for s in GYM for case in BAD_ENVS] + [
-    (s, *BAD_GAMES[case]) for s in ATARI for case in BAD_GAMES
-]
+# (script, env id, words the line must hold): every gymnasium script with BAD_ENVS, every Atari one with BAD_GAMES,
+# every torch-native one with BAD_ENVS' ids, refused naming the envs it has.
+UNMAKEABLE = (
+    [(s, *BAD_ENVS[case]) for s in GYM for case in BAD_ENVS]
+    + [(s, *BAD_GAMES[case]) for s in ATARI for case in BAD_GAMES]
+    + [(s, env_id, ["CartPole-v1, Acrobot-v1, MountainCar-v0"]) for s in TORCH_ENVS for env_id, _ in BAD_ENVS.values()]
+)
 
 
 @pytest.mark.parametrize(

@@ -90,7 +90,7 @@ def test_lean_scripts_choose_their_cpu_threads(flags, threads, tmp_path, monkeyp
     """One intra-op thread on a CPU unless --threads says more, whatever torch started with."""
     before = torch.get_num_threads()
     try:
-        for script in (s for s in scripts("*_torchcompile.py") if family(s) in ("dqn", "pqn")):
+        for script in (s for s in scripts("*_torchcompile.py") if family(s) in ("dqn", "pqn", "pqn_torchenv")):
             torch.set_num_threads(3 - threads)
             code = main_in_process(load_script(script), *flags, tmp_path=tmp_path, monkeypatch=monkeypatch)
             assert code in (0, None) and torch.get_num_threads() == threads, (script.name, code)

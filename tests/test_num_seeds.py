@@ -32,8 +32,8 @@ from test_ppo_family import LEARNING as PPO_LEARNING
 
 import leanrl_utils
 
-PATH, PQN_PATH, PPO_PATH, DISCRETE_PATH, ATARI_PATH = (
-    pair(f)[1] for f in ("dqn", "pqn", "ppo_continuous_action", "ppo", "ppo_atari_envpool")
+PATH, PQN_PATH, PPO_PATH, DISCRETE_PATH, ATARI_PATH, PQN_TORCHENV_PATH = (
+    pair(f)[1] for f in ("dqn", "pqn", "ppo_continuous_action", "ppo", "ppo_atari_envpool", "pqn_torchenv")
 )
 N, N_OBS, N_ACT, BUFFER, BATCH = 3, 4, 2, 500, 32
 
@@ -164,6 +164,7 @@ def test_sigterm_saves_every_seed_and_prints_one_summary(script, workdir):
 DIVERGED = {
     "dqn": (PATH, ["non-finite td_loss", "(seed "], True),
     "pqn": (PQN_PATH, ["non-finite td_loss", "(seed "], None),
+    "pqn-torchenv": (PQN_TORCHENV_PATH, ["non-finite td_loss", "(seed "], None),
     "ppo-atari": (ATARI_PATH, ["non-finite", "at step 32 (seed 1)"], False),  # finite at no log point
 }
 
@@ -525,6 +526,7 @@ def test_pqn_seed_k_starts_as_a_single_run_of_seed_k(pqn, tmp_path, monkeypatch)
 TWO_SEEDS = {
     "dqn": (PATH, [], 400, None),
     "pqn": (PQN_PATH, [], 512, 16),
+    "pqn-torchenv": (PQN_TORCHENV_PATH, [], 512, 16),
     "ppo": (PPO_PATH, [], 256, 16),
     "ppo-discrete": (DISCRETE_PATH, [], 512, 16),
     "ppo-atari": (ATARI_PATH, ["--total-timesteps", 1024, "--num-steps", 32], 1024, 64),
@@ -562,6 +564,7 @@ def test_two_seeds_run_with_a_folder_each(script, mode, workdir):
 SEED_CHECKPOINTS = {
     "dqn": (PATH, "q_network", "network.0.weight", (120, 4), 1),
     "pqn": (PQN_PATH, "q_network", "network.0.weight", (120, 4), 2),
+    "pqn-torchenv": (PQN_TORCHENV_PATH, "q_network", "network.0.weight", (120, 4), 2),
     "ppo-atari": (ATARI_PATH, "agent", "network.0.weight", (32, 4, 8, 8), 1),
     "ppo-discrete": (DISCRETE_PATH, "agent", "actor.0.weight", (64, 4), 2),
 }
@@ -596,6 +599,7 @@ BAD = {
     "pqn-zero": (PQN_PATH, ["--num-seeds", 0], ["--num-seeds", "1 or more"]),
     "pqn-seed-overflow": (PQN_PATH, ["--num-seeds", 2, "--seed", 2**32 - 1], ["--num-seeds 2", "2**31"]),
     "pqn-no-memory": (PQN_PATH, ["--num-seeds", 10**6], ["--num-seeds 1000000", "GiB"]),
+    "pqn-torchenv-no-memory": (PQN_TORCHENV_PATH, ["--num-seeds", 10**6], ["--num-seeds 1000000", "GiB"]),
     "ppo-target-kl": (PPO_PATH, ["--num-seeds", 2, "--target-kl", 0.01], ["--target-kl", "--num-seeds 1"]),
     "ppo-no-memory": (PPO_PATH, ["--num-seeds", 10**6], ["--num-seeds 1000000", "GiB"]),
     "ppo-discrete-target-kl": (DISCRETE_PATH, ["--num-seeds", 2, "--target-kl", 0.01], ["--target-kl", "--num-seeds 1"]),
@@ -625,6 +629,7 @@ LEARNS = {
     # PQN: CleanRL's full budget; 200 (a random policy gets about 22) and not the single-seed
     # test's 475: of 180 single lean runs (benchmark/learning), 21 end below 475 and 2 below 200.
     "pqn-cartpole": (PQN_PATH, ["--seed", 1, "--compile"], 499_712, 200.0),
+    "pqn-torchenv-cartpole": (PQN_TORCHENV_PATH, ["--seed", 1, "--compile"], 499_712, 200.0),
 }
 
 
@@ -633,7 +638,7 @@ LEARNS = {
 def test_every_seed_of_four_learns(task, workdir):
     """Each of 4 seeds, trained at once, reaches a learning threshold on the single-seed learning
     test's budget per seed (seen: DQN 187.6, 211.8, 231.2, 224.3 against 100; PPO 1000, 977.2,
-    1000, 1000 against 500; PQN 500, 500, 500, 500 against 200)."""
+    1000, 1000 against 500; PQN 500, 500, 500, 500 against 200, on the torch-native CartPole too)."""
     path, argv, steps, threshold = LEARNS[task]
     summary, _ = run_script(path, *argv, "--num-seeds", 4, cwd=workdir, timeout=1800)
     print("per-seed returns:", summary["episodic_returns"])

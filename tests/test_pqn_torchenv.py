@@ -1,0 +1,212 @@
+"""PQN pair on the torch-native envs: the returns against the reference loop, the update (the PQN
+pair's checks on this pair), the compiled rollout of stacked seeds against each seed alone, whole
+runs (plain against lean on the same draws, compiled against eager, stopped and resumed against
+unbroken), bad input, and learning."""
+
+import functools
+import signal
+import types
+
+import pytest
+import test_pqn
+import torch
+from conftest import (
+    TINY,
+    TorchDrawingAsLean,
+    assert_refused_before_work,
+    assert_same_run,
+    main_in_process,
+    pair,
+    recorded_runs,
+    run_script,
+    short_env,
+    shuffle_as_lean,
+    start_script,
+)
+from test_resume import curve_steps, final_weights, scalars
+
+import leanrl_envs
+import leanrl_utils
+
+FAMILY = "pqn_torchenv"  # conftest's `plain` and `lean` fixtures
+PLAIN_PATH, LEAN_PATH = pair(FAMILY)
+# gymnasium's CartPole with a 20-step limit (so that random play both terminates and truncates),
+# and its torch-native twin under the same id.
+SHORT_ID = short_env("CartPole-v1", 20)
+SHORT = type("ShortCartPole", (leanrl_envs.CartPole,), {"id": SHORT_ID, "max_episode_steps": 20})
+
+
+@pytest.fixture
+def short_env_too(monkeypatch):
+    monkeypatch.setitem(leanrl_envs.ENVS, SHORT_ID, SHORT)
+
+
+def test_returns_match_the_reference_loop(lean):
+    """The returns of [steps, seeds, envs] rollouts, each env as test_pqn's reference loop
+    computes it. Tolerance: float32 against float64, 1e-5 (as test_pqn)."""
+    rewards, values, next_value, dones = test_pqn.rollout_case(num_envs=6)
+    got = lean.make_returns(0.99, 0.65)(
+        rewards.view(16, 2, 3), values.view(16, 2, 3), next_value.view(2, 3), dones.view(16, 2, 3)
+    )
+    expected = test_pqn.reference_returns(*[x.double().numpy() for x in (rewards, values, next_value, dones)], 0.99, 0.65)
+    torch.testing.assert_close(got.view(16, 6).double(), torch.from_numpy(expected), rtol=0, atol=1e-5)
+
+
+def test_lean_update_is_the_plain_update(plain, lean):
+    test_pqn.test_lean_update_is_the_plain_update(plain, lean)
+
+
+def test_compiled_update_matches_eager(lean):
+    test_pqn.test_compiled_update_matches_eager(lean)
+
+
+@pytest.mark.parametrize("num_seeds", [1, 3])
+def test_a_stack_of_seeds_rolls_out_as_each_seed_alone(lean, num_seeds):
+    """`--unroll 4` steps of stacked seeds (the env step vmapped, the forward derived from QNetwork)
+    against each seed's QNetwork and env stepped alone on the same draws, written as the plain loop
+    acts, for 3 calls: the same actions, env states and rows, bit for bit; the values too for one
+    seed (a stack of one runs the module's own ops), else within float32 rounding (batched matmuls)."""
+    env = leanrl_envs.make("CartPole-v1", 5)
+    torch.manual_seed(0)
+    nets = [lean.QNetwork(4, 2) for _ in range(num_seeds)]
+    rollout = lean.make_rollout(
+        lean.make_policy(nets[0], dict(leanrl_utils.seeds.stack(nets).items())), lean.make_env_step(env, num_seeds), 4
+    )
+    starts = [env.reset(seed=7 + k) for k in range(num_seeds)]
+    state = leanrl_envs.State(*(torch.stack(x) for x in zip(*(s for s, _ in starts))))
+    obs = torch.stack([o for _, o in starts])
+    alone = [list(s) for s in starts]
+    exact = dict(rtol=0, atol=0)
+    with torch.no_grad():
+        for _ in range(3):
+            explore, random_actions = torch.rand(4, num_seeds, 5) < 0.3, torch.randint(2, (4, num_seeds, 5))
+            state, obs, rows = rollout(state, obs, explore, random_actions)
+            for k, net in enumerate(nets):
+                for t in range(4):
+                    q_values = net(alone[k][1])
+                    action = torch.where(explore[t, k], random_actions[t, k], q_values.argmax(dim=1))
+                    alone[k][0], out = env.step(alone[k][0], action)
+                    expected = [alone[k][1], action, q_values.max(dim=1).values, out.reward]
+                    expected += [(out.terminated | out.truncated).float(), out.episode_return, out.episode_length.float()]
+                    for name, got, want in zip(["obs", *lean.ROWS], rows, expected):
+                        tolerance = {} if name == "values" and num_seeds > 1 else exact
+                        torch.testing.assert_close(got[t, k], want, **tolerance, msg=name)
+                    alone[k][1] = out.obs
+                assert all(torch.equal(got[k], want) for got, want in zip(state, alone[k][0]))
+                assert torch.equal(obs[k], alone[k][1])
+    assert rows[4].any()  # episodes ended in the rollout
+
+
+# ---------------------------------------------------------------- whole runs
+
+RUN = dict(env_id=SHORT_ID, num_envs=4, num_steps=32, total_timesteps=512, num_minibatches=4, update_epochs=2)
+NAMES = ["losses/td_loss", "losses/q_values", "charts/learning_rate", "charts/epsilon"]
+
+
+def test_same_random_draws_make_the_same_run(plain, lean, short_env_too, monkeypatch, tmp_path):
+    """Given the same random numbers (the plain script's per-step draws served from the rollout's
+    block, as test_pqn), the two scripts make the same run: the same env starts, actions (ended
+    and time-limited episodes inside the rollouts), returns, annealing, minibatches and RAdam
+    steps, over 4 iterations of 8 minibatch updates; and the same episodes recorded."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(plain, "torch", TorchDrawingAsLean(RUN["num_steps"]))
+    monkeypatch.setattr(plain.np.random, "shuffle", shuffle_as_lean)
+    points, record = {}, leanrl_utils.Run.record
+    monkeypatch.setattr(
+        leanrl_utils.Run,
+        "record",
+        lambda self, *point: points.setdefault(self.script, []).append(point) or record(self, *point),
+    )
+    plain_run, lean_run = recorded_runs([plain, lean], RUN, monkeypatch)
+    assert_same_run(plain_run, lean_run, NAMES)
+    ended = points[PLAIN_PATH.name]
+    assert points[LEAN_PATH.name] == ended and len(ended) > 20
+    assert any(n == 20 for _, _, n in ended) and any(n < 20 for _, _, n in ended)  # truncations and terminations
+
+
+def test_compiled_run_is_the_eager_run(lean, short_env_too, monkeypatch, tmp_path):
+    """--compile at --unroll 8 (the rollout and the update, each one graph) against eager at the
+    default --unroll 4, on the same draws: the same actions, so the same metrics and weights within
+    rounding. Tolerance: 1e-3 on
+    metrics of about 1 to 10, weights 1e-5: the capturable RAdam that the compiled update runs
+    computes its bias corrections in float32 (1 - 0.999**t loses 5 digits), and 32 updates add up
+    a relative 2e-4 on the Q-values (a wrong term or action moves them by far more)."""
+    monkeypatch.chdir(tmp_path)
+    compiled = types.ModuleType("compiled")  # the script with --compile, as recorded_runs takes a module
+    compiled.Args, compiled.main = functools.partial(lean.Args, compile=True, unroll=8), lean.main
+    eager_run, compiled_run = recorded_runs([lean, compiled], RUN, monkeypatch)
+    assert_same_run(eager_run, compiled_run, NAMES, metrics_abs=1e-3, weights_rtol=1e-4, weights_atol=1e-5)
+
+
+# Sends SIGTERM to the script's own process at its `at`-th call of an env's step (every env at once).
+SIGNAL_AT_ENV_STEP = """
+import os, signal, leanrl_envs
+_step, _calls = leanrl_envs.Env.step, [0]
+def step(self, state, action):
+    _calls[0] += 1
+    if _calls[0] == {at}:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return _step(self, state, action)
+leanrl_envs.Env.step = step
+"""
+
+
+@pytest.mark.parametrize("path", [PLAIN_PATH, LEAN_PATH], ids=lambda p: p.stem)
+def test_stopped_and_resumed_run_is_the_run_unbroken(path, tmp_path):
+    """SIGTERM in the third of 4 iterations, --resume: the env's state (its reset draws' counter
+    included) comes back from the loop's variables; weights, every logged value and the curve's
+    steps equal the unbroken run's bit for bit (eager, CPU)."""
+    (whole := tmp_path / "whole").mkdir()
+    (parts := tmp_path / "parts").mkdir()
+    tiny = [*TINY["pqn_torchenv"], "--save-model"]
+    unbroken, _ = run_script(path, *tiny, cwd=whole)
+    proc = start_script(path, parts, *tiny, before=SIGNAL_AT_ENV_STEP.format(at=150))
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    run_dir = next((parts / "runs").iterdir())
+    resumed, proc = run_script(path, "--resume", run_dir, "--save-model", cwd=parts)
+    assert "notice: resuming" in proc.stderr and resumed["total_steps"] == unbroken["total_steps"]
+    assert scalars(run_dir) == scalars(whole / unbroken["run_dir"])
+    assert curve_steps(run_dir) == curve_steps(whole / unbroken["run_dir"])
+    expected, got = final_weights(whole, unbroken), final_weights(parts, resumed)
+    assert all(torch.equal(got["q_network"][k], v) for k, v in expected["q_network"].items())
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("path", [PLAIN_PATH, LEAN_PATH], ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--env-id", "Pendulum-v1"], ["Pendulum-v1", "CartPole-v1, Acrobot-v1, MountainCar-v0"]),
+        (["--env-id", "NoSuchEnv-v0"], ["NoSuchEnv-v0", "CartPole-v1, Acrobot-v1, MountainCar-v0"]),
+        (["--capture-video"], ["--capture-video", "pqn.py"]),
+        (["--num-minibatches", "3"], ["--num-minibatches 3", "128"]),
+    ],
+    ids=["gymnasium-only", "unknown", "video", "minibatches"],
+)
+def test_bad_input_is_one_line_before_any_work(path, argv, words, plain, lean, monkeypatch, tmp_path, capsys):
+    module = plain if path == PLAIN_PATH else lean
+    code = main_in_process(module, *argv, tmp_path=tmp_path, monkeypatch=monkeypatch)
+    assert_refused_before_work(code, capsys, tmp_path, *words)
+
+
+def test_an_unroll_that_does_not_divide_the_rollout_is_one_line(lean, monkeypatch, tmp_path, capsys):
+    code = main_in_process(lean, "--unroll", "24", tmp_path=tmp_path, monkeypatch=monkeypatch)
+    assert_refused_before_work(code, capsys, tmp_path, "--unroll 24", "--num-steps 64", "e.g. 16")
+
+
+# ---------------------------------------------------------------- learning
+
+# pqn.py's defaults and budget (500k steps, a minute here with --compile): the mean return of the last
+# 10 training episodes must reach 475 of CartPole's 500 (a random policy gets about 22). Seeds 1, 2
+# and 3 all ended at 500.
+LEARNING_THRESHOLD = 475.0
+
+
+@pytest.mark.learning
+def test_cartpole_learns(workdir):
+    summary, _ = run_script(LEAN_PATH, "--compile", "--seed", 1, cwd=workdir, timeout=300)
+    assert summary["total_steps"] == 499_712
+    assert summary["episodic_return"] >= LEARNING_THRESHOLD, summary
