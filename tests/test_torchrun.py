@@ -191,9 +191,9 @@ DRIFT = textwrap.dedent("""
     spec.loader.exec_module(script)
     dist.init_process_group("gloo")
     rank, drift = dist.get_rank(), float(sys.argv[2])
-    run = types.SimpleNamespace(interrupted=False, stop_reason=None)
+    run = types.SimpleNamespace(stop_signal=None, stop_reason=None)
     params = [torch.linspace(-1, 1, 7), torch.ones(2, 3) + drift * rank]
-    fields = script.finish_distributed(run, params, dist.get_world_size(), lost=False)
+    fields = script.torchrun.leave(run, params, dist.get_world_size(), lost=False)
     # one write for the whole line: the ranks share the pipe, and print writes the newline apart
     sys.stdout.write(f"rank {rank}: {len(set(fields['rank_checksums']))} {run.stop_reason}\\n")
     sys.stdout.flush()
