@@ -316,6 +316,19 @@ TINY = {
         "--update-epochs",
         "2",
     ],
+    # CartPole on torch-native envs: as "ppo"; the lean script's rollout in calls of 8 steps.
+    "ppo_torchenv": [
+        "--total-timesteps",
+        "512",
+        "--num-envs",
+        "2",
+        "--num-steps",
+        "64",
+        "--num-minibatches",
+        "2",
+        "--update-epochs",
+        "2",
+    ],
     # Learning starts after step 64; 236 updates; logs at steps 100, 200 and 300.
     "sac_continuous_action": [
         "--env-id",
