@@ -29,7 +29,8 @@ import leanrl_utils
 
 ALL = scripts("*.py")
 OFF_POLICY = [s for s in ALL if family(s) in ("dqn", "dqn_atari_envpool", "sac_continuous_action", "td3_continuous_action")]
-ROLLOUT = [s for s in ALL if family(s) in ("ppo", "ppo_continuous_action", "ppo_atari_envpool", "pqn", "pqn_atari_envpool")]
+ROLLOUT_FAMILIES = ("ppo", "ppo_continuous_action", "ppo_atari_envpool", "pqn", "pqn_atari_envpool", "ppo_torchenv")
+ROLLOUT = [s for s in ALL if family(s) in ROLLOUT_FAMILIES]
 ATARI = [s for s in ALL if family(s).endswith("_envpool")]
 GYM = [s for s in ALL if s not in ATARI]
 
@@ -181,7 +182,7 @@ def test_ctrl_c_before_the_run_is_one_line_and_130(script, case, tmp_path):
 # ---------------------------------------------------------------- a PPO run that blows up
 
 # The step of the first log point at each PPO family's tiny settings (one iteration's batch).
-FIRST_LOG_STEP = {"ppo": 128, "ppo_continuous_action": 64, "ppo_atari_envpool": 32}
+FIRST_LOG_STEP = {"ppo": 128, "ppo_continuous_action": 64, "ppo_atari_envpool": 32, "ppo_torchenv": 128}
 
 
 @pytest.mark.parametrize("script", [s for s in ALL if family(s) in FIRST_LOG_STEP], ids=lambda s: s.stem)

@@ -576,6 +576,7 @@ def test_ppo_changing_one_seed_changes_no_other_seed(script, change, request):
 
 PQN_PATH = scripts("pqn_torchcompile.py")[0]
 DISCRETE_PATH = scripts("ppo_torchcompile.py")[0]
+TORCHENV_PATH = scripts("ppo_torchenv_torchcompile.py")[0]
 Q_BATCH, Q_MINIBATCH, Q_CLIP = 64, 16, 20.0  # --max-grad-norm: between the case's gradient norms
 
 
@@ -763,6 +764,7 @@ TWO_SEEDS = {
     "pqn": (PQN_PATH, [], 512, 16),
     "ppo": (PPO_PATH, [], 256, 16),
     "ppo-discrete": (DISCRETE_PATH, [], 512, 16),
+    "ppo-torchenv": (TORCHENV_PATH, [], 512, 16),
     "ppo-atari": (ATARI_PATH, ["--total-timesteps", 1024, "--num-steps", 32], 1024, 64),
 }
 
@@ -800,6 +802,7 @@ SEED_CHECKPOINTS = {
     "pqn": (PQN_PATH, "q_network", "network.0.weight", (120, 4), 2),
     "ppo-atari": (ATARI_PATH, "agent", "network.0.weight", (32, 4, 8, 8), 1),
     "ppo-discrete": (DISCRETE_PATH, "agent", "actor.0.weight", (64, 4), 2),
+    "ppo-torchenv": (TORCHENV_PATH, "agent", "actor.0.weight", (64, 4), 2),
 }
 
 
