@@ -34,6 +34,7 @@ PAIRS = {
         full=(["--env-id", "HalfCheetah-v5"], 100_000), quick=(["--env-id", "Pendulum-v1", "--learning-starts", "1000"], 5_000)
     ),
     "ppo": dict(full=([], 500_000), quick=([], 100_000)),
+    "ppo_torchenv": dict(full=([], 500_000), quick=([], 100_000)),
     "dqn": dict(full=([], 500_000), quick=([], 100_000)),
     "pqn": dict(full=([], 500_000), quick=([], 100_000)),
     # Breakout DQN on a CPU: learning starts at 5,000 (CleanRL: 80,000 of 10M steps); 50k steps take
