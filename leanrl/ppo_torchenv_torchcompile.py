@@ -244,14 +244,14 @@ def make_gae(gamma, gae_lambda):
 ACTIONS, ORDERS = 1 << 31, 1 << 30
 
 
-def make_rollout(agent, params, env, steps):
+def make_rollout(agent, params, env, num_seeds, steps):
     """`steps` steps of every seed's envs from (obs [seeds, envs, n_obs], state): the policy
     (`seeds.forward` of the module), an action drawn from the softmax of the logits by inverse CDF
     (the first action whose cumulative probability passes a uniform: elementwise ops that compile,
     where torch.multinomial breaks a graph), the env step. Returns the next obs and state, then
     the steps' obs, actions, log-probabilities, values, rewards, dones and the episode returns and
     lengths (meaningful where done), each [steps, seeds, envs]. Each seed's draw and env step are
-    vmapped over its own key: a stack of one steps as the env alone (elementwise ops, bit for bit)."""
+    vmapped over its own key; a stack of one runs them alone (tracing vmap doubled the compile)."""
     forward = seeds.forward(agent)
 
     def act_and_step(logits, state):
@@ -262,7 +262,11 @@ def make_rollout(agent, params, env, steps):
         state, out = env.step(state, action)
         return action, state, out
 
-    seeds_act_and_step = torch.func.vmap(act_and_step)
+    def stack_of_one(logits, state):
+        action, state, out = act_and_step(logits[0], leanrl_envs.State(*(x[0] for x in state)))
+        return action[None], leanrl_envs.State(*(x[None] for x in state)), leanrl_envs.Step(*(x[None] for x in out))
+
+    seeds_act_and_step = torch.func.vmap(act_and_step) if num_seeds > 1 else stack_of_one
 
     def rollout(obs, state):
         rows = []
@@ -342,44 +346,45 @@ def main(args: Args):
     # The learning rate is a tensor annealed in place, so annealing never recompiles the update.
     # Eager updates step optimizers.Adam with the fused kernel; a compiled update traces its per-tensor form.
     lr = torch.tensor(args.learning_rate, device=device)
+    iteration_now = torch.zeros((), dtype=torch.int64, device=device)
     optimizer = optimizers.Adam(params.items(), lr, eps=1e-5, fused=not args.compile, capturable=device.type == "cuda")
-    rollout = make_rollout(agents[0], dict(params.items()), env, args.unroll)
+    rollout = make_rollout(agents[0], dict(params.items()), env, num_seeds, args.unroll)
     forward = seeds.forward(agents[0])
     gae = make_gae(args.gamma, args.gae_lambda)
     update = make_update(agents[0], optimizer, args, num_seeds)
 
-    # --compile: the rollout (--unroll steps of policy, draw and env step in one graph), GAE with its
-    # bootstrap value, and the update, each one graph; inductor's C++ wrapper drops the Python glue
-    # between kernels on a CPU.
-    def advantages_and_returns(obs, rewards, values, dones):
-        return gae(rewards, values, dones.float(), forward(params, obs)[1])
+    # Seed k's envs and draws: those of a single run of seed + k.
+    resets = [env.reset(seed=args.seed + k) for k in range(num_seeds)]
+    state = leanrl_envs.State(*(torch.stack(field) for field in zip(*(s for s, _ in resets))))
+    obs = torch.stack([o for _, o in resets])
+    keys = state.key
+    draw_orders = lambda key, iteration: leanrl_envs.uniform(key + ORDERS, iteration, args.update_epochs, batch_size)
 
+    def advantages_and_orders(obs, rewards, values, dones, iteration):
+        """GAE with its bootstrap value, and each seed's minibatch orders for every epoch of the
+        iteration (a tensor, so that a new one compiles nothing), [seeds, epochs, batch]."""
+        advantages, returns = gae(rewards, values, dones.float(), forward(params, obs)[1])
+        orders = torch.func.vmap(draw_orders, in_dims=(0, None))(keys, iteration).argsort(dim=-1, stable=True)
+        return advantages, returns, orders
+
+    # --compile: the rollout (--unroll steps of policy, draw and env step in one graph), GAE with
+    # the orders, and the update, each one graph; inductor's C++ wrapper drops the Python glue
+    # between kernels on a CPU.
     if args.compile:
         options = {"guard_filter_fn": speed.value_guards, "cpp_wrapper": device.type == "cpu"}
         # The envs' hash reads each intermediate twice; inductor inlines such chains into their
         # readers, and tracing their copies took most of the rollout's compile. Storing any
         # intermediate of more than 4 ops cuts that several times over.
         rollout = torch.compile(rollout, fullgraph=True, options={**options, "realize_opcount_threshold": 4})
-        advantages_and_returns = torch.compile(advantages_and_returns, fullgraph=True, options=options)
+        advantages_and_orders = torch.compile(advantages_and_orders, fullgraph=True, options=options)
         update = torch.compile(update, fullgraph=True, options=options)
     if cudagraphs:
-        rollout, advantages_and_returns, update = map(CudaGraphModule, (rollout, advantages_and_returns, update))
+        rollout, advantages_and_orders, update = map(CudaGraphModule, (rollout, advantages_and_orders, update))
 
     def by_seed(x):
         """[num_steps, seeds, envs, ...] -> [seeds, num_steps * envs, ...]: each seed's rollout
         flattened as a single run flattens its own."""
         return x.transpose(0, 1).reshape(num_seeds, batch_size, *x.shape[3:])
-
-    # Seed k's envs and draws: those of a single run of seed + k.
-    resets = [env.reset(seed=args.seed + k) for k in range(num_seeds)]
-    state = leanrl_envs.State(*(torch.stack(field) for field in zip(*(s for s, _ in resets))))
-    obs = torch.stack([o for _, o in resets])
-    keys = state.key  # each seed's, for its minibatch orders
-
-    def draw_orders(iteration):
-        """Each seed's minibatch orders for every epoch, [seeds, epochs, batch], from its own stream."""
-        draw = lambda key: leanrl_envs.uniform(key + ORDERS, iteration, args.update_epochs, batch_size)
-        return torch.func.vmap(draw)(keys).argsort(dim=-1, stable=True)
 
     global_step = updates = 0
     objects = {"params": params, "optimizer": optimizer}
@@ -393,6 +398,7 @@ def main(args: Args):
                 break
             lr_now = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate if args.anneal_lr else args.learning_rate
             lr.copy_(lr_now)
+            iteration_now.fill_(iteration)
 
             chunks = []
             for _ in range(args.num_steps // args.unroll):
@@ -403,10 +409,9 @@ def main(args: Args):
             (b_obs, actions, logprobs, values, rewards, dones, ep_returns, ep_lengths) = map(torch.cat, zip(*chunks))
             if cudagraphs:
                 torch.compiler.cudagraph_mark_step_begin()
-            advantages, returns = advantages_and_returns(obs, rewards, values, dones)
+            advantages, returns, orders = advantages_and_orders(obs, rewards, values, dones, iteration_now)
 
             batch = tuple(by_seed(x) for x in (b_obs, actions, logprobs, advantages, returns, values))
-            orders = draw_orders(iteration)
             clipfrac_sum = torch.zeros(num_seeds, device=device)
             for epoch in range(args.update_epochs):
                 for idx in orders[:, epoch].split(minibatch_size, dim=1):

@@ -101,7 +101,7 @@ def rollout_case(lean, num_seeds, steps, env_id="CartPole-v1", num_envs=64):
     state = leanrl_envs.State(*(torch.stack(field) for field in zip(*(s for s, _ in resets))))
     obs = torch.stack([o for _, o in resets])
     params = dict(leanrl_utils.seeds.stack(agents).items())
-    return agents, env, lean.make_rollout(agents[0], params, env, steps), obs, state
+    return agents, env, lean.make_rollout(agents[0], params, env, num_seeds, steps), obs, state
 
 
 @pytest.mark.parametrize("num_seeds", [1, 3], ids=["1seed", "3seeds"])
