@@ -102,6 +102,15 @@ FAMILIES = {
         tiny_args=["--num-envs", "2", "--num-steps", "64", "--num-minibatches", "2", "--update-epochs", "2"],
         arith=dict(args=["--total-timesteps", "1024"], steps=1024),
     ),
+    # PPO discrete on torch-native envs: as "ppo". Its env ceiling is gymnasium's CartPole, the env
+    # the torch one replaces: the lean script may pass it.
+    "ppo_torchenv": dict(
+        env_id="CartPole-v1",
+        num_envs=4,
+        budget=dict(full=102400, quick=20480, tiny=512),
+        tiny_args=["--num-envs", "2", "--num-steps", "64", "--num-minibatches", "2", "--update-epochs", "2"],
+        arith=dict(args=["--total-timesteps", "1024"], steps=1024),
+    ),
     # PQN: iterations of 4 x 128 steps, the first of them warm-up
     "pqn": dict(
         env_id="CartPole-v1",

@@ -35,6 +35,7 @@ PAIRS = {
         full=(["--env-id", "HalfCheetah-v5"], 100_000), quick=(["--env-id", "Pendulum-v1", "--learning-starts", "1000"], 5_000)
     ),
     "ppo": dict(full=([], 500_000), quick=([], 100_000)),
+    "ppo_torchenv": dict(full=([], 500_000), quick=([], 100_000)),
     "dqn": dict(full=([], 500_000), quick=([], 100_000)),
     "pqn": dict(full=([], 500_000), quick=([], 100_000)),
     "pqn_torchenv": dict(full=([], 500_000), quick=([], 100_000)),

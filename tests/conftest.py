@@ -417,6 +417,7 @@ TINY = {
         "pqn": CARTPOLE_ROLLOUTS,
         # The lean torch-native twin makes 16 rollout calls of its default --unroll 4 per iteration.
         "pqn_torchenv": CARTPOLE_ROLLOUTS,
+        "ppo_torchenv": CARTPOLE_ROLLOUTS,
         # Learning starts after step 64; 236 updates; logs at steps 100, 200 and 300.
         "sac_continuous_action": "--env-id Pendulum-v1 --total-timesteps 300 --learning-starts 64 --batch-size 32"
         " --buffer-size 1000",

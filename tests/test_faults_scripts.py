@@ -35,7 +35,8 @@ OFF_POLICY = [s for s in ALL if family(s) in ("dqn", "dqn_atari_envpool", "sac_c
 ROLLOUT = [
     s
     for s in ALL
-    if family(s) in ("ppo", "ppo_continuous_action", "ppo_atari_envpool", "pqn", "pqn_atari_envpool", "pqn_torchenv")
+    if family(s)
+    in ("ppo", "ppo_continuous_action", "ppo_atari_envpool", "pqn", "pqn_atari_envpool", "pqn_torchenv", "ppo_torchenv")
 ]
 ATARI = [s for s in ALL if family(s).endswith("_envpool")]
 TORCH_ENVS = [s for s in ALL if family(s).endswith("_torchenv")]  # leanrl_envs only
@@ -157,7 +158,7 @@ def test_ctrl_c_before_the_run_is_one_line_and_130(script, case, tmp_path):
 
 
 # The step of the first log point at each PPO family's tiny settings (one iteration's batch).
-FIRST_LOG_STEP = {"ppo": 128, "ppo_continuous_action": 64, "ppo_atari_envpool": 32}
+FIRST_LOG_STEP = {"ppo": 128, "ppo_continuous_action": 64, "ppo_atari_envpool": 32, "ppo_torchenv": 128}
 
 
 @pytest.mark.parametrize("script", [s for s in ALL if family(s) in FIRST_LOG_STEP], ids=lambda s: s.stem)

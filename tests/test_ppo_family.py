@@ -27,7 +27,7 @@ import leanrl_utils
 
 FAMILIES = ["ppo", "ppo_continuous_action"]
 PATHS = [path for family in FAMILIES for path in pair(family)]
-N_OBS, N_ACT, BATCH, MINIBATCH = {"ppo": 4, "ppo_continuous_action": 11}, 3, 256, 64
+N_OBS, N_ACT, BATCH, MINIBATCH = {"ppo": 4, "ppo_continuous_action": 11, "ppo_torchenv": 4}, 3, 256, 64
 
 
 def discrete_batch(g, n_obs=4, n_act=N_ACT, n=BATCH):
@@ -127,14 +127,25 @@ SPEC = {
     "ppo_continuous_action": dict(batch=continuous_batch, args=dict(max_grad_norm=0.05, ent_coef=0.01), actor="actor_mean",
                                   torch_act=continuous_torch_act, draws=continuous_draws, env_id="InvertedPendulum-v5"),
 }  # fmt: skip
+SPEC["ppo_torchenv"] = SPEC["ppo"]  # its update is lean PPO's, on the same discrete batches
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def fam(request):
     """A family's plain and lean scripts, imported, with its SPEC."""
-    plain, lean = (load_script(path) for path in pair(request.param))
-    spec = dict(SPEC[request.param], args=lean.Args(**SPEC[request.param]["args"]))
-    return types.SimpleNamespace(plain=plain, lean=lean, n_obs=N_OBS[request.param], **spec)
+    return family_spec(request.param)
+
+
+@pytest.fixture(scope="module", params=[*FAMILIES, "ppo_torchenv"])
+def update_fam(request):
+    """As `fam`, for the update's tests: the torch-native PPO pair's update is checked here too."""
+    return family_spec(request.param)
+
+
+def family_spec(family):
+    plain, lean = (load_script(path) for path in pair(family))
+    spec = dict(SPEC[family], args=lean.Args(**SPEC[family]["args"]))
+    return types.SimpleNamespace(plain=plain, lean=lean, n_obs=N_OBS[family], **spec)
 
 
 def lean_update(lean, agent, args, compiled):
@@ -183,10 +194,11 @@ def assert_same_parameters(a, b, **tolerance):
         torch.testing.assert_close(b.state_dict()[name], value, msg=name, **tolerance)
 
 
-def test_lean_update_is_the_plain_update(fam):
+def test_lean_update_is_the_plain_update(update_fam):
     """From the plain agent's parameters, 4 lean steps (torch.func, clipping on the gradient dict, fused
     functional Adam, a tensor lr annealed in place) give the plain steps' metrics and parameters
     (rtol 1e-5, atol 1e-6: float32 in two summation orders), and the clipping bites."""
+    fam = update_fam
     torch.manual_seed(0)
     plain_agent, lean_agent = fam.plain.Agent(fam.n_obs, N_ACT), fam.lean.Agent(fam.n_obs, N_ACT)
     g = torch.Generator().manual_seed(2)
@@ -206,9 +218,10 @@ def test_lean_update_is_the_plain_update(fam):
     assert clipped > 0  # some ratios left the clip range
 
 
-def test_compiled_update_matches_eager(fam):
+def test_compiled_update_matches_eager(update_fam):
     """Three compiled steps (one graph, per-tensor Adam) agree with three eager ones (fused Adam), the lr
     tensor changed in place between them (rtol 1e-4, atol 1e-5: inductor reorders float32 sums)."""
+    fam = update_fam
     torch.manual_seed(0)
     args, g = fam.lean.Args(), torch.Generator().manual_seed(1)
     agents = [fam.lean.Agent(fam.n_obs, N_ACT)]
@@ -221,9 +234,10 @@ def test_compiled_update_matches_eager(fam):
 
 
 @pytest.mark.parametrize("changed", [False, True], ids=["agent", "changed-agent"])
-def test_stack_of_one_update_is_the_one_agent_update(fam, changed):
+def test_stack_of_one_update_is_the_one_agent_update(update_fam, changed):
     """make_update with num_seeds 1 over a stack of one (a leading seed dimension of 1) runs the agent's
     own ops and the same fused Adam as the unstacked update: its metrics and parameters bit for bit."""
+    fam = update_fam
     torch.manual_seed(0)
     single = (changed_agent(fam.lean) if changed else fam.lean.Agent)(fam.n_obs, N_ACT)
     g = torch.Generator().manual_seed(3)

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, assert_bad_input, family, pair, run_script, script_command, script_env, scripts
+from conftest import TINY, assert_bad_input, family, load_script, pair, run_script, script_command, script_env, scripts
 
-# The lean PPO scripts, which take torchrun (the other lean scripts are off-policy and do not).
-LEAN_PPO = scripts("ppo_*_torchcompile.py")
+# The lean PPO scripts that take torchrun (--dist-timeout among their flags); the off-policy
+# scripts and those whose envs live on the device do not.
+LEAN_PPO = [s for s in scripts("ppo_*_torchcompile.py") if "dist_timeout" in load_script(s).Args.__dataclass_fields__]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 # Two iterations of both ranks at TINY sizes, so that a log point follows an update twice.
 TWO_RANKS = {"ppo_continuous_action": ["--total-timesteps", "256"], "ppo_atari_envpool": ["--total-timesteps", "128"]}
