@@ -2,11 +2,11 @@
 
 PPO (Schulman et al., 2017, https://arxiv.org/abs/1707.06347) with the details and defaults of
 CleanRL's `ppo.py`, learning as the plain script `ppo_torchenv.py` does. The env is a pair of pure
-functions on tensors (`leanrl_envs`), so nothing of the loop lives on the host: a call runs
-`--unroll` steps of policy (derived from the one module), action draw, env step and
-storage, compiled into one graph; GAE and the minibatch step (gather, forward, backward,
-clipping, optimizers.Adam) are one graph each, as in `ppo_torchcompile.py`. Episodes and losses
-stay on the device until the one host sync per iteration, at logging.
+functions on tensors (`leanrl_envs`), so nothing of the loop lives on the host: one call runs
+`--unroll` steps of policy (derived from the one module), action draw, env step and storage,
+compiled into one graph; GAE with the minibatch orders is one graph, and the minibatch step
+(gather, forward, backward, clipping, optimizers.Adam) one more, as in `ppo_torchcompile.py`.
+Episodes and losses stay on the device until the one host sync per iteration, at logging.
 
     python leanrl/ppo_torchenv_torchcompile.py
     python leanrl/ppo_torchenv_torchcompile.py --compile
@@ -17,8 +17,9 @@ behind an action is a hash of (seed, step, env), a minibatch order one of (seed,
 epoch). They are the same eager, compiled or graphed, there is no generator to carry, save or
 restore, and stacked seeds draw apart. `--num-seeds N` trains seeds `seed` to `seed + N - 1` at
 once: weights and optimizers.Adam states stacked on a leading seed dimension (one seed is a stack
-of one), each seed's envs and draws vmapped over its own key, so seed k makes the run a single
-run of seed + k makes, within float rounding (its envs, actions and minibatches exactly).
+of one), each seed's envs and draws vmapped over its own key. Seed k makes the run a single run
+of seed + k makes: the same initial weights, reset draws, action uniforms and minibatch orders,
+and all else within float rounding (a batched matmul sums in another order).
 """
 
 import os
