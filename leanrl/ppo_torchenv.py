@@ -90,12 +90,16 @@ class Args(resume.Flags):
     """the target KL divergence threshold"""
 
 
-def make_env(args, num_envs, device):
-    """The torch-native vector env, or one clear line for an env or flag it cannot serve."""
+def check_env(args):
+    """One clear line, before any other check, for an env or flag the torch-native envs cannot serve."""
     if args.env_id not in leanrl_envs.ENVS:
         fail(f"--env-id {args.env_id} has no torch-native env: use one of {', '.join(leanrl_envs.ENVS)}")
     if args.capture_video:
         fail("--capture-video: torch-native envs have no renderer; record with ppo.py (pip install 'leanrl[video]')")
+
+
+def make_env(args, num_envs, device):
+    """The torch-native vector env."""
     return leanrl_envs.make(args.env_id, num_envs, device)
 
 
@@ -152,6 +156,7 @@ def evaluate(agent, args, device):
 
 def main(args: Args):
     resumed = resume.read(args, __file__)
+    check_env(args)
     checks.flags(args)
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     env = make_env(args, args.num_envs, device)

@@ -110,12 +110,16 @@ class Args(resume.Flags):
     """env steps per rollout call, unrolled into one graph (a divisor of num-steps): more compile longer, call less"""
 
 
-def make_env(args, num_envs, device):
-    """The torch-native vector env, or one clear line for an env or flag it cannot serve."""
+def check_env(args):
+    """One clear line, before any other check, for an env or flag the torch-native envs cannot serve."""
     if args.env_id not in leanrl_envs.ENVS:
         fail(f"--env-id {args.env_id} has no torch-native env: use one of {', '.join(leanrl_envs.ENVS)}")
     if args.capture_video:
         fail("--capture-video: torch-native envs have no renderer; record with ppo.py (pip install 'leanrl[video]')")
+
+
+def make_env(args, num_envs, device):
+    """The torch-native vector env."""
     return leanrl_envs.make(args.env_id, num_envs, device)
 
 
@@ -300,6 +304,7 @@ def evaluate(agent, args, device):
 
 def main(args: Args):
     resumed = resume.read(args, __file__)
+    check_env(args)
     checks.flags(args)
     device, cudagraphs = speed.setup(args)
     env = make_env(args, args.num_envs, device)
