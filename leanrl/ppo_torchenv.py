@@ -90,7 +90,7 @@ class Args(resume.Flags):
     """the target KL divergence threshold"""
 
 
-def check_env(args):
+def check_torch_env(args):
     """One clear line, before any other check, for an env or flag the torch-native envs cannot serve."""
     if args.env_id not in leanrl_envs.ENVS:
         fail(f"--env-id {args.env_id} has no torch-native env: use one of {', '.join(leanrl_envs.ENVS)}")
@@ -156,7 +156,7 @@ def evaluate(agent, args, device):
 
 def main(args: Args):
     resumed = resume.read(args, __file__)
-    check_env(args)
+    check_torch_env(args)
     checks.flags(args)
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     env = make_env(args, args.num_envs, device)

@@ -110,7 +110,7 @@ class Args(resume.Flags):
     """env steps per rollout call, unrolled into one graph (a divisor of num-steps): more compile longer, call less"""
 
 
-def check_env(args):
+def check_torch_env(args):
     """One clear line, before any other check, for an env or flag the torch-native envs cannot serve."""
     if args.env_id not in leanrl_envs.ENVS:
         fail(f"--env-id {args.env_id} has no torch-native env: use one of {', '.join(leanrl_envs.ENVS)}")
@@ -304,7 +304,7 @@ def evaluate(agent, args, device):
 
 def main(args: Args):
     resumed = resume.read(args, __file__)
-    check_env(args)
+    check_torch_env(args)
     checks.flags(args)
     device, cudagraphs = speed.setup(args)
     env = make_env(args, args.num_envs, device)

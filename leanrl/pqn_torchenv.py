@@ -83,7 +83,7 @@ class Args(resume.Flags):
     """the lambda for Q(lambda)"""
 
 
-def check_env(args):
+def check_torch_env(args):
     """One line for an env or a flag the torch-native envs cannot serve, before any work."""
     if args.env_id not in leanrl_envs.ENVS:
         fail(f"--env-id {args.env_id} has no torch-native env: pass one of {', '.join(leanrl_envs.ENVS)} (or use pqn.py)")
@@ -140,7 +140,7 @@ def evaluate(q_network, args, device):
 
 def main(args: Args):
     resumed = resume.read(args, __file__)
-    check_env(args)
+    check_torch_env(args)
     checks.flags(args)
     batch_size = args.num_envs * args.num_steps
     if args.total_timesteps < batch_size and not (args.total_timesteps == 0 and args.load_model):

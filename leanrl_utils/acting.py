@@ -92,19 +92,22 @@ def numpy_forward(module, params, prefix=""):
     op several. Never a silent mismatch: a layer or op it has no form for ends the run in one line,
     and the derived forward is checked against the module on a probe."""
     name, forms = type(module).__name__, {}
-    for leaf, layer in module.named_modules():  # first the layers: a missing form is named
-        if leaf and next(layer.children(), None) is None:
-            forms[leaf] = numpy_layer(layer, prefix + leaf, params)
-            if forms[leaf] is None:
-                known = "Linear, LayerNorm, ReLU, Tanh, Sigmoid, SiLU, ELU, LeakyReLU"
-                kind = f"{prefix + leaf} ({type(layer).__name__}) of {name}"
-                fail(
-                    f"numpy acting cannot follow layer {kind}: use {known}, or give it a numpy form in leanrl_utils/acting.py"
-                )
     try:
-        graph = torch.fx.symbolic_trace(module).graph
+        graph, error = torch.fx.symbolic_trace(module).graph, None
     except Exception as e:  # fx raises many types for control flow on values
-        fail(f"numpy acting cannot trace {name}.forward ({type(e).__name__}): write it without branches on tensor values")
+        graph, error = None, e
+    # First the layers, in the order the forward calls them: a missing numpy form is named.
+    called = [node.target for node in graph.nodes if node.op == "call_module"] if graph else []
+    leaves = [leaf for leaf, layer in module.named_modules() if leaf and next(layer.children(), None) is None]
+    for leaf in dict.fromkeys(called + leaves):
+        layer = module.get_submodule(leaf)
+        forms[leaf] = numpy_layer(layer, prefix + leaf, params)
+        if forms[leaf] is None:
+            known = "Linear, LayerNorm, ReLU, Tanh, Sigmoid, SiLU, ELU, LeakyReLU"
+            kind = f"{prefix + leaf} ({type(layer).__name__}) of {name}"
+            fail(f"numpy acting cannot follow layer {kind}: use {known}, or give it a numpy form in leanrl_utils/acting.py")
+    if error is not None:
+        fail(f"numpy acting cannot trace {name}.forward ({type(error).__name__}): write it without branches on tensor values")
     # The forward as Python source over numpy functions (as torch.fx writes a GraphModule's): a
     # generated line per op costs what a written one does, where interpreting the graph cost twice.
     names, namespace, lines = {}, {}, []

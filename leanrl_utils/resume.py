@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 from filelock import FileLock, Timeout
+from tqdm import tqdm
 
 from leanrl_utils import checkpoints, state
 from leanrl_utils.checks import fail
@@ -135,4 +136,4 @@ def save(lead, iteration, finished):
         lead.resume_error = None
     except Exception as e:
         lead.resume_error = f"cannot save {path} ({checkpoints.why(e)})"
-        print(f"error: {lead.resume_error}; training goes on and tries again at the next checkpoint", file=sys.stderr)
+        tqdm.write(f"error: {lead.resume_error}; training goes on and tries again at the next checkpoint", file=sys.stderr)

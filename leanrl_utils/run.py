@@ -191,21 +191,20 @@ class Run:
             self.writer_failed("TensorBoard events", e)
         self.points.clear()
 
-    def writer_failed(self, what, e):
-        print(
-            f"error: cannot write {what} in {self.dir} ({checkpoints.why(e)}); training goes on without them", file=sys.stderr
-        )
-        with suppress(Exception):
-            self.writer.close()
-        self.writer = None
+    def writer_failed(self, what, e, close=True):
+        # tqdm.write: a line of its own, not glued to the progress bar's
+        tqdm.tqdm.write(f"error: cannot write {what} in {self.dir} ({checkpoints.why(e)}); training goes on", file=sys.stderr)
+        if close:  # TensorBoard's writer
+            with suppress(Exception):
+                self.writer.close()
+            self.writer = None
 
     def write_curve(self, line):
         try:
             self.curve.write(line)
         except OSError as e:
-            print(
-                f"error: cannot write {self.dir}/curve.csv ({checkpoints.why(e)}); training goes on without it",
-                file=sys.stderr,
+            tqdm.tqdm.write(
+                f"error: cannot write {self.dir}/curve.csv ({checkpoints.why(e)}); training goes on", file=sys.stderr
             )
             self.curve = open(os.devnull, "w")
 
