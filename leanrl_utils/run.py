@@ -188,24 +188,21 @@ class Run:
                 if self.wandb:
                     self.wandb.log(values, step=step)
         except Exception as e:
-            self.writer_failed("TensorBoard events", e)
-        self.points.clear()
-
-    def writer_failed(self, what, e, close=True):
-        # tqdm.write: a line of its own, not glued to the progress bar's
-        tqdm.tqdm.write(f"error: cannot write {what} in {self.dir} ({checkpoints.why(e)}); training goes on", file=sys.stderr)
-        if close:  # TensorBoard's writer
+            self.write_failed("TensorBoard events", e)
             with suppress(Exception):
                 self.writer.close()
             self.writer = None
+        self.points.clear()
+
+    def write_failed(self, what, e):
+        # tqdm.write: a line of its own, not glued to the progress bar's
+        tqdm.tqdm.write(f"error: cannot write {what} in {self.dir} ({checkpoints.why(e)}); training goes on", file=sys.stderr)
 
     def write_curve(self, line):
         try:
             self.curve.write(line)
         except OSError as e:
-            tqdm.tqdm.write(
-                f"error: cannot write {self.dir}/curve.csv ({checkpoints.why(e)}); training goes on", file=sys.stderr
-            )
+            self.write_failed("curve.csv", e)
             self.curve = open(os.devnull, "w")
 
     def mean_return(self):
