@@ -2,6 +2,7 @@
 whose it is, which flags the user gave, the run folder held by one process at a time. What the
 checkpoint holds is `state`'s."""
 
+import io
 import os
 import sys
 import time
@@ -62,27 +63,31 @@ def read(args, script, argv=None):
     Without --resume, None."""
     if not getattr(args, "resume", None):
         return None
-    where = f"--resume {args.resume}"
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        fail("--resume under torchrun is not supported yet (each rank's envs and streams): resume a single process")
+    where, world_size = f"--resume {args.resume}", int(os.environ.get("WORLD_SIZE", "1"))
+    rank0 = os.environ.get("RANK", "0") == "0"  # under torchrun every rank reads; rank 0 holds the folder
     if args.load_model:
         fail(f"--load-model and {where} both set the weights: resume the run, or start a new one from the model")
     path = Path(args.resume)
     path = path / "resume.pt" if path.is_dir() else path
     if not path.is_file():
         fail(f"{where}: no checkpoint there; pass a run folder (runs/<run_name>) holding resume.pt")
-    lock = hold(path.parent)
+    lock = hold(path.parent) if rank0 else None
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
         saved_args, saved_script, done = checkpoint["args"], checkpoint["script"], checkpoint["loop"]["__tuple__"][0]
         assert isinstance(saved_args, dict) and isinstance(done, int) and isinstance(checkpoint["finished"], bool)
         assert all(isinstance(checkpoint[k], dict) for k in ("objects", "loop", "random"))
         assert isinstance(checkpoint["seeds"], list) and all(isinstance(s, dict) for s in checkpoint["seeds"])
+        ranks = checkpoint.get("ranks", [])  # under torchrun, ranks 1, 2, ...: their own objects, loop and streams
+        assert isinstance(ranks, list) and all(isinstance(r[k], dict) for r in ranks for k in ("objects", "loop", "random"))
     except Exception as e:  # torch.load raises many types for a file that is no checkpoint; a field can be missing
         fail(f"{where}: cannot read its checkpoint ({type(e).__name__}); it is corrupt or not one: start anew")
     name = os.path.basename(script)
     if saved_script != name:
         fail(f"{where} is a checkpoint of {saved_script}, not of {name}: resume it with that script")
+    if len(ranks) + 1 != world_size:
+        ran, now = (f"{n} torchrun ranks" if n > 1 else "one process" for n in (len(ranks) + 1, world_size))
+        fail(f"{where} is a run of {ran}, not {now}: resume it with {ran}")
     typed, changed = given(sys.argv[1:] if argv is None else argv), []
     for key, saved in saved_args.items():
         if key in ("resume", "load_model") or not hasattr(args, key) or getattr(args, key) == saved:
@@ -102,16 +107,30 @@ def read(args, script, argv=None):
         )
     if checkpoint["finished"] and args.total_timesteps <= saved_args["total_timesteps"]:
         fail(f"{where}: that run already finished its {saved_args['total_timesteps']} steps; pass a larger --total-timesteps")
-    if changed:
+    if changed and rank0:
         print(f"notice: resuming with {', '.join(changed)}", file=sys.stderr)
     return checkpoint | {"dir": str(path.parent), "lock": lock}
 
 
 def save(lead, iteration, finished):
     """runs/<run_name>/resume.pt, atomically: all `--resume` needs to go on at `iteration`, for every
-    seed of the `lead` Run. A failed save (a full disk, a folder made read-only) is said in one line
-    and tried again at the next checkpoint; training goes on."""
-    if not lead.rank0 or lead.loop is None or lead.world_size > 1:
+    seed of the `lead` Run; under torchrun, every rank's state, gathered by rank 0 (all ranks call
+    it). A failed save (a full disk, a folder made read-only) is said in one line and tried again at
+    the next checkpoint; training goes on."""
+    if lead.loop is None:
+        return
+    mine = {"objects": {name: state.state_of(obj) for name, obj in lead.objects.items()},
+            "loop": state.to_plain(tuple(lead.loop())), "random": state.random_state()}  # fmt: skip
+    ranks = []
+    if lead.world_size > 1:
+        import torch.distributed as dist
+
+        serialized = io.BytesIO()  # bytes with CPU tensors: a rank's CUDA tensors would not unpickle on rank 0
+        torch.save(mine, serialized)
+        gathered = [None] * lead.world_size if lead.rank0 else None
+        dist.gather_object(serialized.getvalue(), gathered, dst=0)
+        ranks = [torch.load(io.BytesIO(b), map_location="cpu", weights_only=True) for b in gathered[1:]] if lead.rank0 else []
+    if not lead.rank0:
         return
     seeds = []
     for run in lead.seeds:
@@ -127,8 +146,7 @@ def save(lead, iteration, finished):
     saved = {
         "script": lead.script, "algorithm": lead.algorithm, "args": vars(lead.args), "time": lead.time,
         "iteration": iteration, "finished": finished, "wall_s": lead.offset_s + time.perf_counter() - lead.start,
-        "seeds": seeds, "objects": {name: state.state_of(obj) for name, obj in lead.objects.items()},
-        "loop": state.to_plain(tuple(lead.loop())), "random": state.random_state(),
+        "seeds": seeds, **mine, "ranks": ranks,
     }  # fmt: skip
     path = f"{lead.dir}/resume.pt"
     try:
@@ -137,3 +155,14 @@ def save(lead, iteration, finished):
     except Exception as e:
         lead.resume_error = f"cannot save {path} ({checkpoints.why(e)})"
         tqdm.write(f"error: {lead.resume_error}; training goes on and tries again at the next checkpoint", file=sys.stderr)
+
+
+def save_finished(lead):
+    """Once, after a loop that ran to its end: a run that keeps resume.pt (--checkpoint-every, or a
+    resumed one) marks it finished, which --resume refuses unless given more steps. Under torchrun
+    every rank calls it before leaving the process group."""
+    if lead.iteration is None or lead.stop_signal or lead.stop_reason or getattr(lead, "ended", False):
+        return
+    lead.ended = True
+    if getattr(lead.args, "checkpoint_every", 0) or lead.resumed:
+        save(lead, lead.iteration + 1, finished=True)

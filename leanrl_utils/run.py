@@ -30,7 +30,8 @@ class Run:
     the first log point or save, so a run refused before it leaves none."""
 
     def __init__(self, args, total_steps, script, resumed=None, rank=0, lead=None, warmup_updates=3):
-        self.args, self.total_steps, self.warmup_updates, self.rank0 = args, total_steps, warmup_updates, rank == 0
+        self.args, self.total_steps, self.warmup_updates = args, total_steps, warmup_updates
+        self.rank, self.rank0 = rank, rank == 0
         self.script, self.algorithm = os.path.basename(script), checkpoints.algorithm_of(script)
         self.lead, self.seeds, self.resumed = lead or self, [self], resumed
         if lead:
@@ -136,17 +137,19 @@ class Run:
     def resume(self, objects, loop, device="cpu"):
         """Names what resume.pt holds: `objects` (name -> module, optimizer, buffer, envs...; False:
         none) and `loop()`, the loop's variables, its env step first. With --resume, restores them and the random streams
-        and returns the resumed loop variables (tensors on `device`); else returns `loop()`."""
+        and returns the resumed loop variables (tensors on `device`); else returns `loop()`. Under
+        torchrun each rank restores its own."""
         self.objects, self.loop = {name: obj for name, obj in objects.items() if obj is not False}, loop
         if not self.resumed:
             return loop()
+        mine = self.resumed["ranks"][self.rank - 1] if self.rank else self.resumed
         try:
             for name, obj in self.objects.items():
-                state.restore(obj, self.resumed["objects"][name])
+                state.restore(obj, mine["objects"][name])
         except (KeyError, RuntimeError, ValueError, IndexError) as e:
             fail(f"--resume {self.args.resume}: its state does not fit this run ({type(e).__name__}); start anew")
-        state.set_random_state(self.resumed["random"])
-        loop = tuple(state.from_plain(v, device) for v in self.resumed["loop"]["__tuple__"])
+        state.set_random_state(mine["random"])
+        loop = tuple(state.from_plain(v, device) for v in mine["loop"]["__tuple__"])
         if self.rank0:
             print(f"notice: resuming {self.dir} from step {int(loop[0])}", file=sys.stderr)
         return loop
@@ -154,17 +157,18 @@ class Run:
     def checkpoint(self, iteration):
         """At the start of each iteration, where the state is whole: saves resume.pt when a stop
         signal came or --checkpoint-every is due. True: stop the loop (every rank at once)."""
-        self.iteration, stop = iteration, self.stop_signal is not None
-        if self.world_size > 1:  # every rank stops at the same iteration, or the others wait in a collective
+        every = getattr(self.args, "checkpoint_every", 0)
+        stop = self.stop_signal is not None
+        save = stop or bool(every and time.perf_counter() - self.due >= every)
+        if self.world_size > 1:  # every rank stops and saves at the same iteration, or the others wait
             import torch.distributed as dist
 
-            flag = torch.tensor([float(stop)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            stop = bool(flag)  # note: a host sync, once per iteration
+            flags = torch.tensor([float(stop), float(save)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            stop, save = bool(flags[0]), bool(flags[1])  # note: a host sync, once per iteration
             self.stop_signal = self.stop_signal or (signal.SIGTERM if stop else None)
-        self.ran += not stop  # the iterations this process ran
-        every = getattr(self.args, "checkpoint_every", 0)
-        if stop or (every and time.perf_counter() - self.due >= every):
+        self.iteration, self.ran = iteration, self.ran + (not stop)  # the iterations this process ran
+        if save:
             resume.save(self, iteration, finished=False)
             self.due = time.perf_counter()
         return stop

@@ -45,12 +45,7 @@ def finish(run, step, updates, networks, evaluate, fields):
     run.open()
     if run.bar:
         run.bar.close()
-    # The loop ran to its end: a run that saves resume.pt marks it finished (--resume then refuses it).
-    finished = lead.iteration is not None and lead.stop_signal is None and lead.stop_reason is None
-    if finished and not getattr(lead, "ended", False):
-        lead.ended = True
-        if getattr(run.args, "checkpoint_every", 0) or os.path.exists(f"{lead.dir}/resume.pt"):
-            resume.save(lead, lead.iteration + 1, finished=True)
+    resume.save_finished(lead)
     if lead.stop_signal and run.rank0 and run is lead:
         print(f"notice: interrupted at step {run.step}; saving what there is", file=sys.stderr)
     checkpoint, state = None, run.last_good

@@ -6,6 +6,7 @@ from datetime import timedelta
 
 import torch
 
+from leanrl_utils import resume
 from leanrl_utils.checks import fail
 
 
@@ -109,5 +110,6 @@ def leave(run, params, world_size, lost):
                 f"the ranks' parameters differ at the end (checksums {checksums}): "
                 "the gradient all-reduce did not keep them identical"
             )
+        resume.save_finished(run.lead)
     dist.destroy_process_group()
     return fields

@@ -4,6 +4,7 @@ all-reduced gradient is the gradient of both ranks' minibatches together, a 2-ra
 as a single process does within the same env steps, and bad input is one line."""
 
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -12,7 +13,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, assert_bad_input, family, load_script, pair, run_script, script_command, script_env, scripts
+from conftest import (
+    SIGNAL_AT_STEP,
+    TINY,
+    assert_bad_input,
+    family,
+    load_script,
+    pair,
+    run_script,
+    script_command,
+    script_env,
+    scripts,
+)
 
 # The lean PPO scripts that take torchrun (--dist-timeout among their flags); the off-policy
 # scripts and those whose envs live on the device do not.
@@ -181,6 +193,36 @@ def test_below_one_global_batch_under_torchrun(workdir):
     assert "exitcode  : 2" in proc.stderr and "[rank0]: Traceback" not in proc.stderr
 
 
+def test_a_stopped_run_resumes_under_torchrun_as_the_unbroken_run(workdir):
+    """SIGTERM to rank 1 alone, mid-iteration: both ranks stop at the next iteration's start and
+    rank 0 saves every rank's state in one resume.pt. The same torchrun command with --resume ends
+    with the unbroken run's weights and normalization, bit for bit (eager, gloo); resuming it in
+    one process is one line."""
+    script = scripts("ppo_continuous_action_torchcompile.py")[0]
+    args = [*TINY[family(script)], "--total-timesteps", "512", "--save-model"]  # 4 iterations of 2 x 64 steps
+    (whole := workdir / "whole").mkdir()
+    (parts := workdir / "parts").mkdir()
+    unbroken = torchrun(script, *args, cwd=whole)
+    assert unbroken.returncode == 0, unbroken.stderr[-4000:]
+    at = '(150 if os.environ["RANK"] == "1" else -1)'  # rank 1, its third iteration: both stop before the fourth
+    stopped = torchrun(script, *args, cwd=parts, before=SIGNAL_AT_STEP.format(at=at, signum=int(signal.SIGTERM), times=2))
+    (summary,) = summaries(stopped)
+    assert summary["interrupted"] and summary["total_steps"] == 384, summary
+    run_dir = Path(summary["run_dir"])
+    assert (parts / run_dir / "resume.pt").is_file()
+    assert_bad_input(script, "--resume", run_dir, words=["2 torchrun ranks", "not one process"], cwd=parts)
+
+    resumed = torchrun(script, "--resume", run_dir, "--save-model", cwd=parts)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert resumed.stderr.count(f"notice: resuming {run_dir} from step 384") == 1, resumed.stderr
+    (expected,), (got,) = summaries(unbroken), summaries(resumed)
+    assert got["total_steps"] == expected["total_steps"] and got["rank_checksums"] == expected["rank_checksums"]
+    expected, got = (torch.load(d / s["checkpoint"], weights_only=True)["model"] for d, s in ((whole, expected), (parts, got)))
+    for net in expected:
+        for name in expected[net]:
+            torch.testing.assert_close(got[net][name], expected[net][name], rtol=0, atol=0, msg=f"{net} {name}")
+
+
 # Runs under torchrun: rank 1's parameters differ from rank 0's (or not), and the script's end
 # of run compares the ranks' checksums.
 DRIFT = textwrap.dedent("""
@@ -192,7 +234,8 @@ DRIFT = textwrap.dedent("""
     spec.loader.exec_module(script)
     dist.init_process_group("gloo")
     rank, drift = dist.get_rank(), float(sys.argv[2])
-    run = types.SimpleNamespace(stop_signal=None, stop_reason=None)
+    run = types.SimpleNamespace(stop_signal=None, stop_reason=None, iteration=None)
+    run.lead = run
     params = [torch.linspace(-1, 1, 7), torch.ones(2, 3) + drift * rank]
     fields = script.torchrun.leave(run, params, dist.get_world_size(), lost=False)
     # one write for the whole line: the ranks share the pipe, and print writes the newline apart
