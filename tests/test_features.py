@@ -31,23 +31,20 @@ def twin(script):
 
 @pytest.mark.parametrize("script", PLAIN, ids=lambda s: s.stem)
 def test_checkpoint_round_trip_across_the_pair(script, workdir):
-    """A checkpoint saved by either script evaluates to the same return in both: the reloaded
-    deterministic policy takes the same actions on the same observations."""
-    tiny = TINY[family(script)]
-    for trained_by in (script, twin(script)):
-        summary, _ = run_script(trained_by, *tiny, "--save-model", cwd=workdir)
-        path = Path(workdir) / summary["checkpoint"]
-        assert path.is_file() and not Path(str(path) + ".tmp").exists()
-        torch.load(path, map_location="cpu", weights_only=True)
-        evals = []
-        for evaluated_by in (script, twin(script)):
-            summary, _ = run_script(
-                evaluated_by, *tiny, "--load-model", path, "--total-timesteps", "0", "--eval-episodes", "2", cwd=workdir
-            )
-            assert summary["updates"] == 0 and summary["total_steps"] == 0
-            assert math.isfinite(summary["eval_return"])
-            evals.append(summary["eval_return"])
-        assert evals[0] == pytest.approx(evals[1], rel=1e-5), (trained_by.name, evals)
+    """A checkpoint saved by one script of the pair (the lean one, plain for every other pair)
+    evaluates to the same return in both: the reloaded deterministic policy takes the same actions
+    on the same observations."""
+    trained_by = twin(script) if PLAIN.index(script) % 2 else script
+    summary, _ = run_script(trained_by, *TINY[family(script)], "--save-model", cwd=workdir)
+    path = Path(workdir) / summary["checkpoint"]
+    assert path.is_file() and not Path(str(path) + ".tmp").exists()
+    evals = []
+    for evaluated_by in (script, twin(script)):
+        argv = [*TINY[family(script)], "--load-model", path, "--total-timesteps", "0", "--eval-episodes", "2"]
+        summary, _ = run_script(evaluated_by, *argv, cwd=workdir)
+        assert summary["updates"] == 0 and summary["total_steps"] == 0 and math.isfinite(summary["eval_return"])
+        evals.append(summary["eval_return"])
+    assert evals[0] == pytest.approx(evals[1], rel=1e-5), (trained_by.name, evals)
 
 
 @pytest.mark.parametrize("script", ALL, ids=lambda s: s.stem)

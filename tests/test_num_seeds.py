@@ -521,15 +521,23 @@ def test_pqn_seed_k_starts_as_a_single_run_of_seed_k(pqn, tmp_path, monkeypatch)
     np.testing.assert_array_equal(seen["obs"][0][2:], seen["obs"][1])
 
 
-# Per script: its extra arguments, the env steps per seed and the updates (None: some). PPO Atari:
-# 16 iterations of 2 envs x 32 steps, enough for a game to end in each seed's envs.
+# Per script: its extra arguments, the env steps per seed, the updates (None: some), and the
+# network in its checkpoints with its first layer's name and shape (PPO continuous, whose
+# checkpoints carry observation statistics, has its own test). PPO Atari: 16 iterations of 2 envs
+# x 32 steps, enough for a game to end in each seed's envs.
 TWO_SEEDS = {
-    "dqn": (PATH, [], 400, None),
-    "pqn": (PQN_PATH, [], 512, 16),
-    "pqn-torchenv": (PQN_TORCHENV_PATH, [], 512, 16),
-    "ppo": (PPO_PATH, [], 256, 16),
-    "ppo-discrete": (DISCRETE_PATH, [], 512, 16),
-    "ppo-atari": (ATARI_PATH, ["--total-timesteps", 1024, "--num-steps", 32], 1024, 64),
+    "dqn": (PATH, [], 400, None, ("q_network", "network.0.weight", (120, 4))),
+    "pqn": (PQN_PATH, [], 512, 16, ("q_network", "network.0.weight", (120, 4))),
+    "pqn-torchenv": (PQN_TORCHENV_PATH, [], 512, 16, ("q_network", "network.0.weight", (120, 4))),
+    "ppo": (PPO_PATH, [], 256, 16, None),
+    "ppo-discrete": (DISCRETE_PATH, [], 512, 16, ("agent", "actor.0.weight", (64, 4))),
+    "ppo-atari": (
+        ATARI_PATH,
+        ["--total-timesteps", 1024, "--num-steps", 32],
+        1024,
+        64,
+        ("agent", "network.0.weight", (32, 4, 8, 8)),
+    ),
 }
 
 
@@ -537,11 +545,13 @@ TWO_SEEDS = {
 @pytest.mark.parametrize("script", TWO_SEEDS)
 def test_two_seeds_run_with_a_folder_each(script, mode, workdir):
     """Seeds 5 and 6: a folder each (one time stamp for the group) whose curve ends at the run's
-    last step, and the summary's per-seed returns and evaluations, which it averages."""
-    path, extra, steps, updates = TWO_SEEDS[script]
-    summary, _ = run_script(
-        path, *TINY[family(path)], *mode, *extra, "--num-seeds", 2, "--seed", 5, "--eval-episodes", 1, cwd=workdir
-    )
+    last step, and the summary's per-seed returns and evaluations, which it averages. Eager, seed
+    6's checkpoint holds its own network, and the single-seed script evaluates it as seed 6 (the
+    same evaluation env seed) to the return the two-seed run reported for it."""
+    path, extra, steps, updates, saved = TWO_SEEDS[script]
+    save = ["--save-model"] if saved and not mode else []
+    argv = [*TINY[family(path)], *mode, *extra, *save, "--num-seeds", 2, "--seed", 5, "--eval-episodes", 1]
+    summary, _ = run_script(path, *argv, cwd=workdir)
     assert (
         summary["num_seeds"] == 2
         and summary["total_steps"] == steps
@@ -557,37 +567,18 @@ def test_two_seeds_run_with_a_folder_each(script, mode, workdir):
     for d in dirs:
         rows = list(csv.DictReader(open(d / "curve.csv")))
         assert rows and int(rows[-1]["step"]) == steps, d
-
-
-# Per script (PPO continuous, whose checkpoints carry observation statistics, has its own test):
-# the network's name in the checkpoint, its first layer's name and shape, the evaluation episodes.
-SEED_CHECKPOINTS = {
-    "dqn": (PATH, "q_network", "network.0.weight", (120, 4), 1),
-    "pqn": (PQN_PATH, "q_network", "network.0.weight", (120, 4), 2),
-    "pqn-torchenv": (PQN_TORCHENV_PATH, "q_network", "network.0.weight", (120, 4), 2),
-    "ppo-atari": (ATARI_PATH, "agent", "network.0.weight", (32, 4, 8, 8), 1),
-    "ppo-discrete": (DISCRETE_PATH, "agent", "actor.0.weight", (64, 4), 2),
-}
-
-
-@pytest.mark.parametrize("script", SEED_CHECKPOINTS)
-def test_a_seeds_checkpoint_loads_into_the_single_seed_script(script, workdir):
-    """Seed 6's checkpoint (its own network), evaluated by the single-seed script as seed 6 (the
-    same evaluation env seed), gives the return the two-seed run reported for it: the same greedy
-    network."""
-    path, network, first, shape, episodes = SEED_CHECKPOINTS[script]
-    summary, _ = run_script(
-        path, *TINY[family(path)], "--num-seeds", 2, "--seed", 5, "--save-model", "--eval-episodes", episodes, cwd=workdir
-    )
-    checkpoints = [next(d.glob("*.pt")) for d in seed_dirs(workdir)]
+    if not save:
+        return
+    network, first, shape = saved
+    checkpoints = [next(d.glob("*.pt")) for d in dirs]
     assert str(checkpoints[0]).endswith(summary["checkpoint"])
-    saved = [torch.load(c, weights_only=True) for c in checkpoints]
-    assert saved[1]["args"]["seed"] == 6 and set(saved[1]["model"]) == {network}
+    models = [torch.load(c, weights_only=True) for c in checkpoints]
+    assert models[1]["args"]["seed"] == 6 and set(models[1]["model"]) == {network}
     # Each seed's own weights, not a view of both seeds' storage.
-    assert saved[1]["model"][network][first].shape == shape
-    assert not torch.equal(saved[0]["model"][network][first], saved[1]["model"][network][first])
+    assert models[1]["model"][network][first].shape == shape
+    assert not torch.equal(models[0]["model"][network][first], models[1]["model"][network][first])
     loaded, _ = run_script(
-        path, "--load-model", checkpoints[1], "--total-timesteps", 0, "--eval-episodes", episodes, "--seed", 6, cwd=workdir
+        path, "--load-model", checkpoints[1], "--total-timesteps", 0, "--eval-episodes", 1, "--seed", 6, cwd=workdir
     )
     assert loaded["num_seeds"] == 1 and "episodic_returns" not in loaded
     assert loaded["eval_return"] == summary["eval_returns"][1]
