@@ -65,7 +65,7 @@ FUNCTIONS = {
     torch.tanh: np.tanh, torch.exp: np.exp, torch.sigmoid: lambda x: 1 / (1 + np.exp(-x)),
     torch.relu: lambda x: np.maximum(x, 0), F.relu: lambda x: np.maximum(x, 0),
 }  # fmt: skip
-METHODS = {"exp": np.exp, "tanh": np.tanh, "expand_as": lambda x, y: np.broadcast_to(x, y.shape), "flatten": None}
+METHODS = {"exp": np.exp, "tanh": np.tanh, "expand_as": None, "flatten": None}
 IN_PLACE = (nn.LayerNorm, nn.ReLU, nn.Tanh)  # forms that write their input (see numpy_layer)
 
 
@@ -74,6 +74,13 @@ def getitem(x, index):
     if not isinstance(x, np.ndarray):
         return x[index]
     return x[(slice(None), *(index if isinstance(index, tuple) else (index,)))]
+
+
+def expand_as(x, y):
+    """Tensor.expand_as as a copy: a few us less than np.broadcast_to's view, per call."""
+    out = np.empty(y.shape, x.dtype)
+    out[...] = x
+    return out
 
 
 def flatten(x, start_dim=0, end_dim=-1):
@@ -139,7 +146,7 @@ def numpy_forward(module, params, prefix=""):
         elif node.op == "call_function" and node.target in FUNCTIONS:
             fn = getitem if node.target is operator.getitem else FUNCTIONS[node.target]
         elif node.op == "call_method" and node.target in METHODS:
-            fn = flatten if node.target == "flatten" else METHODS[node.target]
+            fn = {"flatten": flatten, "expand_as": expand_as}.get(node.target) or METHODS[node.target]
         else:
             op = getattr(node.target, "__name__", node.target)
             fail(f"numpy acting cannot follow {op} in {name}.forward: use layers, arithmetic, {', '.join(METHODS)}")
