@@ -306,6 +306,8 @@ def main(args: Args):
         update = torch.compile(update, options={"guard_filter_fn": speed.value_guards, "cpp_wrapper": device.type == "cpu"})
         if device.type == "cuda":
             policy = torch.compile(policy, options={"guard_filter_fn": speed.value_guards})
+        # A stop signal ends their cold compile at once; the loop goes on eagerly to its checkpoint.
+        update, policy = run.interruptible(update, policy)
     if cudagraphs:
         update, policy = CudaGraphModule(update), CudaGraphModule(policy)
     policy = acting.host_arrays(policy, device)

@@ -396,6 +396,8 @@ def main(args: Args):
         update = torch.compile(update, fullgraph=True, options={"guard_filter_fn": speed.value_guards})
         if device.type == "cuda":
             policy = torch.compile(policy, options={"guard_filter_fn": speed.value_guards})
+        # A stop signal ends their cold compile at once; the loop goes on eagerly to its checkpoint.
+        update, policy = run.interruptible(update, policy)
     if cudagraphs:
         update = CudaGraphModule(update)
         policy = CudaGraphModule(policy)

@@ -353,6 +353,8 @@ def main(args: Args):
         options = {"guard_filter_fn": speed.value_guards, "cpp_wrapper": device.type == "cpu"}
         update = torch.compile(update, fullgraph=True, options=options)
         rollout = torch.compile(rollout, fullgraph=True, options={**options, "realize_opcount_threshold": 4})
+        # A stop signal ends their cold compile at once; the loop goes on eagerly to its checkpoint.
+        update, rollout = run.interruptible(update, rollout)
     if cudagraphs:
         update, rollout, returns_fn, policy = map(CudaGraphModule, (update, rollout, returns_fn, policy))
 

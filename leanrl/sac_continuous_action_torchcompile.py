@@ -382,6 +382,8 @@ def main(args: Args):
         update_actor = torch.compile(update_actor, fullgraph=True, options={"guard_filter_fn": speed.value_guards})
         if device.type == "cuda":
             policy = torch.compile(policy, options={"guard_filter_fn": speed.value_guards})
+        # A stop signal ends their cold compile at once; the loop goes on eagerly to its checkpoint.
+        update_critic, update_actor, policy = run.interruptible(update_critic, update_actor, policy)
     if cudagraphs:
         update_critic = CudaGraphModule(update_critic)
         update_actor = CudaGraphModule(update_actor)

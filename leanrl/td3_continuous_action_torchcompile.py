@@ -360,6 +360,8 @@ def main(args: Args):
         update_critic_and_actor = torch.compile(update_critic_and_actor, fullgraph=True, options=options)
         if device.type == "cuda":
             policy = torch.compile(policy, options=options)
+        # A stop signal ends their cold compile at once; the loop goes on eagerly to its checkpoint.
+        update_critic, update_critic_and_actor, policy = run.interruptible(update_critic, update_critic_and_actor, policy)
     if cudagraphs:
         update_critic = CudaGraphModule(update_critic, device=device)
         update_critic_and_actor = CudaGraphModule(update_critic_and_actor, device=device)

@@ -2,6 +2,7 @@
 with --track, the progress bar, steps/s after warm-up, stop signals, and the one-line JSON summary.
 It records what the script's loop tells it; the loop stays the script's."""
 
+import functools
 import importlib.util
 import itertools
 import math
@@ -21,6 +22,10 @@ from leanrl_utils.checks import fail
 from leanrl_utils.vector import ended_episodes
 
 CURVE_HEADER = "step,seconds,episodic_return\n"
+
+
+class StopCompile(BaseException):
+    """A stop signal in a cold compile (BaseException: torch's handlers of Exception let it by)."""
 
 
 class Run:
@@ -48,7 +53,7 @@ class Run:
         self.warm_time, self.warm_step = self.start, 0
         self.curve = self.writer = self.wandb = self.bar = self.warmup_s = self.last_sps = self.last_good = None
         self.stop_reason = self.save_error = self.resume_error = self.stop_signal = self.iteration = self.loop = None
-        self.objects, self.eval_return, self.due, self.ran = {}, None, time.perf_counter(), 0
+        self.objects, self.eval_return, self.due, self.ran, self.compiling = {}, None, time.perf_counter(), 0, False
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         if args.track and self.rank0 and importlib.util.find_spec("wandb") is None:
             fail("--track needs wandb: pip install wandb (or the extra leanrl[track])")
@@ -59,8 +64,45 @@ class Run:
 
     def on_signal(self, signum, frame):
         """Ctrl-C, and SIGTERM by which schedulers stop jobs: noted, and acted on where the loop calls
-        `checkpoint`, at an iteration's start, where the state is whole. Further ones change nothing."""
-        self.stop_signal = self.stop_signal or signal.Signals(signum)
+        `checkpoint`, at an iteration's start, where the state is whole; during a cold compile, that
+        compile ends here (`interruptible`). Further ones change nothing."""
+        first, self.stop_signal = self.stop_signal is None, self.stop_signal or signal.Signals(signum)
+        if first and self.compiling:
+            raise StopCompile
+
+    def interruptible(self, *fns):
+        """The compiled functions `fns` (torch.compile's) with their cold compile, in the first call,
+        ended by a stop signal at once, not tens of seconds later: that call, and every compiled call
+        after it (`torch.compiler.set_stance`), then runs eagerly, so that the loop reaches its next
+        `checkpoint` and saves. A function that is not compiled is returned as it is."""
+
+        def wrap(fn):
+            eager, first = getattr(fn, "__wrapped__", None), True  # torch.compile's wrapper names fn
+            if eager is None:
+                return fn
+
+            @functools.wraps(fn)  # inspect.unwrap finds what fn closes over (state.closure_generators)
+            def call(*args, **kwargs):
+                nonlocal first
+                if not first:
+                    return fn(*args, **kwargs)
+                lead, first = self.lead, False
+                try:
+                    if lead.stop_signal is None:  # a stop before the compile skips it
+                        lead.compiling = True
+                        return fn(*args, **kwargs)
+                # (A signal in the few ms between the compile's end and the call's return would run
+                # the call twice: a window of ms against the compile's seconds.)
+                except StopCompile:
+                    pass
+                finally:
+                    lead.compiling = False
+                torch.compiler.set_stance("force_eager")
+                return eager(*args, **kwargs)
+
+            return call
+
+        return tuple(map(wrap, fns)) if len(fns) > 1 else wrap(fns[0])
 
     def open(self):
         """The run's folder and writers, at the first need: made exclusively (a run started in the same

@@ -171,6 +171,48 @@ def test_killed_run_resumes_from_its_periodic_checkpoint(script, tmp_path):
     assert_every_log_point_once(run_dir, int(argv[i + 1]))
 
 
+# SIGTERM to the script's own process 0.3 s into the first call of a compiled function: inside its
+# compile (dynamo's tracing alone takes longer), whatever the caches hold; a line on stderr when
+# the loop goes on eagerly.
+SIGNAL_IN_COMPILE = """
+import functools, os, signal, sys, threading, torch
+_compile, _set_stance = torch.compile, torch.compiler.set_stance
+def compile(fn, **options):
+    compiled, timer = _compile(fn, **options), []
+    @functools.wraps(compiled)
+    def call(*args, **kwargs):
+        if not timer:
+            timer.append(threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)))
+            timer[0].start()
+        return compiled(*args, **kwargs)
+    return call
+def set_stance(stance, **kwargs):
+    print(f"compile-check: {stance}", file=sys.stderr)
+    return _set_stance(stance, **kwargs)
+torch.compile, torch.compiler.set_stance = compile, set_stance
+"""
+
+
+@pytest.mark.parametrize("script", [SCRIPTS / "dqn_torchcompile.py", SCRIPTS / "ppo_continuous_action_torchcompile.py"])
+def test_a_signal_during_the_cold_compile_ends_it_and_saves(script, tmp_path):
+    """A stop in the first compile (lean DQN's at learning starts, lean PPO's in its first
+    iteration) ends that compile: the iteration goes on eagerly, resume.pt is saved at the next,
+    and --resume completes the budget from it with the state it saved, each log point once."""
+    argv = [*TINY[family(script)], "--compile"]
+    proc = start_script(script, tmp_path, *argv, before=SIGNAL_IN_COMPILE)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 143 and "compile-check: force_eager" in stderr, stderr
+    run_dir = next((tmp_path / "runs").iterdir())
+    assert (run_dir / "resume.pt").is_file()
+    proc = start_script(script, tmp_path, "--resume", run_dir, before=CHECK_RESUMED)
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr
+    assert "resume-check: objects ok" in stderr and "resume-check: iteration ok" in stderr
+    total = json.loads(stdout.splitlines()[-1])["total_steps"]
+    assert total == int(argv[argv.index("--total-timesteps") + 1])
+    assert_every_log_point_once(run_dir, total)
+
+
 @pytest.mark.parametrize("script", scripts("*atari*.py"), ids=lambda s: s.stem)
 def test_atari_run_resumes_with_its_saved_state_and_completes_its_budget(script, tmp_path):
     """envpool's games cannot be saved: the resumed run starts fresh episodes, with the weights,
