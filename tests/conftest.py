@@ -77,18 +77,21 @@ def start_script(script, cwd, *argv, before=None, **popen):
     return subprocess.Popen([*command, *map(str, argv)], cwd=cwd, env=script_env(), **options)
 
 
-# Sends `signum` to the script's own process at its `at`-th env step (of one env), mid-iteration,
-# `times` times 1 ms apart (a scheduler's or a person's second signal).
-SIGNAL_AT_STEP = """
-import os, time, gymnasium as gym
-_step, _calls = gym.wrappers.RecordEpisodeStatistics.step, [0]
-def step(self, action):
+def signal_at_step(at, times=1, signum=signal.SIGTERM, where="gymnasium.wrappers:RecordEpisodeStatistics"):
+    """Python source that sends `signum` to the script's own process at the `at`-th call of `step` of the
+    class `where` ("module:Class"; by default one env's step), `times` times 1 ms apart."""
+    module, name = where.split(":")
+    return f"""
+import importlib, os, time
+_class = getattr(importlib.import_module({module!r}), {name!r})
+_step, _calls = _class.step, [0]
+def step(self, *args):
     _calls[0] += 1
     for _ in range({times} if _calls[0] == {at} else 0):
-        os.kill(os.getpid(), {signum})
+        os.kill(os.getpid(), {int(signum)})
         time.sleep(0.001)
-    return _step(self, action)
-gym.wrappers.RecordEpisodeStatistics.step = step
+    return _step(self, *args)
+_class.step = step
 """
 
 

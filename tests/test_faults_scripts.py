@@ -121,7 +121,11 @@ BAD_GAMES = {"unknown": ("NoSuchGame-v5", ["unknown Atari id"]), "not-a-game": (
 UNMAKEABLE = (
     [(s, *BAD_ENVS[case]) for s in GYM for case in BAD_ENVS]
     + [(s, *BAD_GAMES[case]) for s in ATARI for case in BAD_GAMES]
-    + [(s, env_id, ["CartPole-v1, Acrobot-v1, MountainCar-v0"]) for s in TORCH_ENVS for env_id, _ in BAD_ENVS.values()]
+    + [
+        (s, env_id, ["CartPole-v1, Acrobot-v1, MountainCar-v0"])
+        for s in TORCH_ENVS
+        for env_id in [*(env_id for env_id, _ in BAD_ENVS.values()), "Pendulum-v1", "Taxi-v3"]
+    ]
 )
 
 

@@ -3,22 +3,18 @@ eager, a stack of one seed against one agent, the scan GAE against CleanRL's loo
 rollout against the eager one and its draws against the softmax, the two scripts' whole run on the
 same random draws, a seed of a stack against its single run, stop and resume, bad input, learning."""
 
-import os
-
 import pytest
 import torch
 from conftest import (
     TINY,
-    assert_one_line_error,
     assert_same_run,
     load_script,
     recorded_runs,
     run_script,
     scripts,
-    start_script,
 )
 from test_ppo_family import inverse_cdf, reference_gae
-from test_resume import curve_steps, final_weights, scalars
+from test_resume import final_weights, scalars
 
 import leanrl_envs
 import leanrl_utils
@@ -180,60 +176,6 @@ def test_a_seed_of_a_stack_is_its_single_run(workdir):
     weights = torch.load(next(seed_dir.glob("*.pt")), weights_only=True)["model"]
     for name, tensor in final_weights(single, one)["agent"].items():
         torch.testing.assert_close(weights["agent"][name], tensor, rtol=1e-4, atol=1e-5)
-
-
-# Sends SIGTERM to the script's own process at its 150th env step (of all envs at once): mid-iteration 3.
-SIGNAL_AT_ENV_STEP = """
-import os, signal, leanrl_envs
-_step, _calls = leanrl_envs.Env.step, [0]
-def step(self, state, action):
-    _calls[0] += 1
-    if _calls[0] == 150:
-        os.kill(os.getpid(), signal.SIGTERM)
-    return _step(self, state, action)
-leanrl_envs.Env.step = step
-"""
-
-
-@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
-def test_stopped_and_resumed_run_is_the_run_unbroken(path, tmp_path):
-    """SIGTERM mid-iteration, --resume with no other flag: the env state and everything else go on,
-    so that weights, every logged value and the curve equal the unbroken run's bit for bit (eager)."""
-    (whole := tmp_path / "whole").mkdir()
-    (parts := tmp_path / "parts").mkdir()
-    tiny = [*TINY["ppo_torchenv"], "--save-model"]
-    unbroken, _ = run_script(path, *tiny, cwd=whole)
-    proc = start_script(path, parts, *tiny, before=SIGNAL_AT_ENV_STEP)
-    _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 143, stderr
-    run_dir = parts / "runs" / os.listdir(parts / "runs")[0]
-    resumed, proc = run_script(path, "--resume", run_dir, "--save-model", cwd=parts)
-    assert "notice: resuming" in proc.stderr and resumed["total_steps"] == unbroken["total_steps"]
-    assert scalars(run_dir) == scalars(whole / unbroken["run_dir"])
-    assert curve_steps(run_dir) == curve_steps(whole / unbroken["run_dir"])
-    expected, got = final_weights(whole, unbroken), final_weights(parts, resumed)
-    assert all(torch.equal(got["agent"][name], tensor) for name, tensor in expected["agent"].items())
-
-
-@pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
-@pytest.mark.parametrize(
-    "bad_args, words",
-    [
-        (["--env-id", "Pendulum-v1"], ["Pendulum-v1", *leanrl_envs.ENVS]),
-        (["--env-id", "Taxi-v3"], ["Taxi-v3", "CartPole-v1"]),
-        (["--num-minibatches", "7"], ["--num-minibatches", "divide"]),
-    ],
-    ids=["box-env", "other-discrete-env", "minibatches"],
-)
-def test_bad_input_is_one_clear_line(path, bad_args, words, workdir):
-    _, proc = run_script(path, *TINY["ppo_torchenv"], *bad_args, cwd=workdir, check=False)
-    assert_one_line_error(proc, *words)
-    assert proc.returncode == 2 and not (workdir / "runs").exists()
-
-
-def test_unroll_that_does_not_divide_the_rollout_is_one_line(workdir):
-    _, proc = run_script(LEAN_PATH, *TINY["ppo_torchenv"], "--unroll", 7, cwd=workdir, check=False)
-    assert_one_line_error(proc, "--unroll 7", "--num-steps 64", "e.g. 4")
 
 
 # Budget: 100,000 env steps (CleanRL's defaults otherwise), as ppo.py's test. The threshold (mean of

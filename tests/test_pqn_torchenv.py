@@ -4,26 +4,20 @@ runs (plain against lean on the same draws, compiled against eager, stopped and 
 unbroken), bad input, and learning."""
 
 import functools
-import signal
 import types
 
 import pytest
 import test_pqn
 import torch
 from conftest import (
-    TINY,
     TorchDrawingAsLean,
-    assert_refused_before_work,
     assert_same_run,
-    main_in_process,
     pair,
     recorded_runs,
     run_script,
     short_env,
     shuffle_as_lean,
-    start_script,
 )
-from test_resume import curve_steps, final_weights, scalars
 
 import leanrl_envs
 import leanrl_utils
@@ -136,65 +130,6 @@ def test_compiled_run_is_the_eager_run(lean, short_env_too, monkeypatch, tmp_pat
     compiled.Args, compiled.main = functools.partial(lean.Args, compile=True, unroll=8), lean.main
     eager_run, compiled_run = recorded_runs([lean, compiled], RUN, monkeypatch)
     assert_same_run(eager_run, compiled_run, NAMES, metrics_abs=1e-3, weights_rtol=1e-4, weights_atol=1e-5)
-
-
-# Sends SIGTERM to the script's own process at its `at`-th call of an env's step (every env at once).
-SIGNAL_AT_ENV_STEP = """
-import os, signal, leanrl_envs
-_step, _calls = leanrl_envs.Env.step, [0]
-def step(self, state, action):
-    _calls[0] += 1
-    if _calls[0] == {at}:
-        os.kill(os.getpid(), signal.SIGTERM)
-    return _step(self, state, action)
-leanrl_envs.Env.step = step
-"""
-
-
-@pytest.mark.parametrize("path", [PLAIN_PATH, LEAN_PATH], ids=lambda p: p.stem)
-def test_stopped_and_resumed_run_is_the_run_unbroken(path, tmp_path):
-    """SIGTERM in the third of 4 iterations, --resume: the env's state (its reset draws' counter
-    included) comes back from the loop's variables; weights, every logged value and the curve's
-    steps equal the unbroken run's bit for bit (eager, CPU)."""
-    (whole := tmp_path / "whole").mkdir()
-    (parts := tmp_path / "parts").mkdir()
-    tiny = [*TINY["pqn_torchenv"], "--save-model"]
-    unbroken, _ = run_script(path, *tiny, cwd=whole)
-    proc = start_script(path, parts, *tiny, before=SIGNAL_AT_ENV_STEP.format(at=150))
-    _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 128 + signal.SIGTERM, stderr
-    run_dir = next((parts / "runs").iterdir())
-    resumed, proc = run_script(path, "--resume", run_dir, "--save-model", cwd=parts)
-    assert "notice: resuming" in proc.stderr and resumed["total_steps"] == unbroken["total_steps"]
-    assert scalars(run_dir) == scalars(whole / unbroken["run_dir"])
-    assert curve_steps(run_dir) == curve_steps(whole / unbroken["run_dir"])
-    expected, got = final_weights(whole, unbroken), final_weights(parts, resumed)
-    assert all(torch.equal(got["q_network"][k], v) for k, v in expected["q_network"].items())
-
-
-# ---------------------------------------------------------------- bad input
-
-
-@pytest.mark.parametrize("path", [PLAIN_PATH, LEAN_PATH], ids=lambda p: p.stem)
-@pytest.mark.parametrize(
-    "argv,words",
-    [
-        (["--env-id", "Pendulum-v1"], ["Pendulum-v1", "CartPole-v1, Acrobot-v1, MountainCar-v0"]),
-        (["--env-id", "NoSuchEnv-v0"], ["NoSuchEnv-v0", "CartPole-v1, Acrobot-v1, MountainCar-v0"]),
-        (["--capture-video"], ["--capture-video", "pqn.py"]),
-        (["--num-minibatches", "3"], ["--num-minibatches 3", "128"]),
-    ],
-    ids=["gymnasium-only", "unknown", "video", "minibatches"],
-)
-def test_bad_input_is_one_line_before_any_work(path, argv, words, plain, lean, monkeypatch, tmp_path, capsys):
-    module = plain if path == PLAIN_PATH else lean
-    code = main_in_process(module, *argv, tmp_path=tmp_path, monkeypatch=monkeypatch)
-    assert_refused_before_work(code, capsys, tmp_path, *words)
-
-
-def test_an_unroll_that_does_not_divide_the_rollout_is_one_line(lean, monkeypatch, tmp_path, capsys):
-    code = main_in_process(lean, "--unroll", "24", tmp_path=tmp_path, monkeypatch=monkeypatch)
-    assert_refused_before_work(code, capsys, tmp_path, "--unroll 24", "--num-steps 64", "e.g. 16")
 
 
 # ---------------------------------------------------------------- learning

@@ -9,12 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SCRIPTS, SIGNAL_AT_STEP, TINY, assert_one_line_error, family, run_script, scripts, start_script, wait_for
-
-# envpool's Atari games count steps in leanrl_utils' vector wrapper: one call per vector step.
-SIGNAL_AT_VECTOR_STEP = SIGNAL_AT_STEP.replace(
-    "gym.wrappers.RecordEpisodeStatistics", "leanrl_utils.vector.RecordEpisodeStatistics"
-).replace("import os, time, gymnasium as gym", "import os, time, leanrl_utils")
+from conftest import SCRIPTS, TINY, assert_one_line_error, family, run_script, scripts, signal_at_step, start_script, wait_for
 
 # SIGKILLs the script's own process at its first env step from `at` on (of one env) where a
 # periodic checkpoint exists: killed partway, whatever the machine's speed.
@@ -58,15 +53,10 @@ def checkpoint(self, iteration):
 leanrl_utils.Run.resume, leanrl_utils.Run.checkpoint = resume, checkpoint
 """
 
-# Per family: the env step to stop at (after learning starts, between two log points).
-STOP_AT = {
-    "dqn": 250,
-    "pqn": 300,
-    "ppo": 300,
-    "sac_continuous_action": 150,
-    "td3_continuous_action": 150,
-    "ppo_continuous_action": 150,
-}
+# Per family: the env step to stop at (after learning starts, between two log points); the torch-native
+# envs' step (every env at once) 150: mid-iteration 3, their state saved with the loop's variables.
+STOP_AT = {"dqn": 250, "pqn": 300, "ppo": 300, "sac_continuous_action": 150, "td3_continuous_action": 150,
+           "ppo_continuous_action": 150, "pqn_torchenv": 150, "ppo_torchenv": 150}  # fmt: skip
 RESUMABLE = [s for s in scripts("*.py") if family(s) in STOP_AT]
 
 
@@ -130,7 +120,8 @@ def test_stopped_and_resumed_run_is_the_run_unbroken(case, tmp_path):
     tiny = [*TINY[family(script)], "--save-model", *(["--compile"] if compiled else [])]
     unbroken, _ = run_script(script, *tiny, cwd=whole)
 
-    before = SIGNAL_AT_STEP.format(at=STOP_AT[family(script)], signum=int(signal.SIGTERM), times=times)
+    where = {"where": "leanrl_envs:Env"} if family(script).endswith("_torchenv") else {}
+    before = signal_at_step(STOP_AT[family(script)], times, **where)
     proc = start_script(script, parts, *tiny, before=before)
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 143, stderr
@@ -221,7 +212,7 @@ def test_atari_run_resumes_with_its_saved_state_and_completes_its_budget(script,
     total, at = (400, 120) if family(script) == "dqn_atari_envpool" else (128, 40)
     argv = [*TINY[family(script)], "--total-timesteps", total]
     proc = start_script(
-        script, tmp_path, *argv, before=SIGNAL_AT_VECTOR_STEP.format(at=at, signum=int(signal.SIGTERM), times=1)
+        script, tmp_path, *argv, before=signal_at_step(at, where="leanrl_utils.vector:RecordEpisodeStatistics")
     )
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 143, stderr
@@ -241,7 +232,7 @@ def test_every_seed_of_num_seeds_resumes(tmp_path):
     (parts := tmp_path / "parts").mkdir()
     argv = [*TINY["dqn"], "--num-seeds", 2, "--save-model"]
     run_script(script, *argv, cwd=whole)
-    proc = start_script(script, parts, *argv, before=SIGNAL_AT_STEP.format(at=2 * 250, signum=int(signal.SIGTERM), times=1))
+    proc = start_script(script, parts, *argv, before=signal_at_step(2 * 250))
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 143, stderr
     lead = next(d for d in (parts / "runs").iterdir() if (d / "resume.pt").exists())
@@ -258,7 +249,7 @@ def test_every_seed_of_num_seeds_resumes(tmp_path):
 def test_resume_with_another_num_seeds_is_one_line(tmp_path):
     script = SCRIPTS / "dqn_torchcompile.py"
     argv = [*TINY["dqn"], "--num-seeds", 2]
-    proc = start_script(script, tmp_path, *argv, before=SIGNAL_AT_STEP.format(at=2 * 250, signum=int(signal.SIGTERM), times=1))
+    proc = start_script(script, tmp_path, *argv, before=signal_at_step(2 * 250))
     proc.communicate(timeout=300)
     lead = next(d for d in (tmp_path / "runs").iterdir() if (d / "resume.pt").exists())
     _, proc = run_script(script, "--resume", lead, "--num-seeds", 3, cwd=tmp_path, check=False)
@@ -269,9 +260,7 @@ def test_resume_with_another_num_seeds_is_one_line(tmp_path):
 def stopped_run(tmp_path):
     """A plain DQN run stopped by SIGTERM partway: (script, its run folder)."""
     script = next(s for s in RESUMABLE if s.stem == "dqn")
-    proc = start_script(
-        script, tmp_path, *TINY["dqn"], before=SIGNAL_AT_STEP.format(at=250, signum=int(signal.SIGTERM), times=1)
-    )
+    proc = start_script(script, tmp_path, *TINY["dqn"], before=signal_at_step(250))
     proc.communicate(timeout=300)
     return script, next((tmp_path / "runs").iterdir())
 

@@ -4,7 +4,6 @@ all-reduced gradient is the gradient of both ranks' minibatches together, a 2-ra
 as a single process does within the same env steps, and bad input is one line."""
 
 import json
-import signal
 import socket
 import subprocess
 import sys
@@ -14,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
-    SIGNAL_AT_STEP,
     TINY,
     assert_bad_input,
     family,
@@ -24,6 +22,7 @@ from conftest import (
     script_command,
     script_env,
     scripts,
+    signal_at_step,
 )
 
 # The lean PPO scripts that take torchrun (--dist-timeout among their flags); the off-policy
@@ -205,7 +204,7 @@ def test_a_stopped_run_resumes_under_torchrun_as_the_unbroken_run(workdir):
     unbroken = torchrun(script, *args, cwd=whole)
     assert unbroken.returncode == 0, unbroken.stderr[-4000:]
     at = '(150 if os.environ["RANK"] == "1" else -1)'  # rank 1, its third iteration: both stop before the fourth
-    stopped = torchrun(script, *args, cwd=parts, before=SIGNAL_AT_STEP.format(at=at, signum=int(signal.SIGTERM), times=2))
+    stopped = torchrun(script, *args, cwd=parts, before=signal_at_step(at, times=2))
     (summary,) = summaries(stopped)
     assert summary["interrupted"] and summary["total_steps"] == 384, summary
     run_dir = Path(summary["run_dir"])
