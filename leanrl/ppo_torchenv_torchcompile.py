@@ -385,7 +385,7 @@ def main(args: Args):
         advantages_and_orders = torch.compile(advantages_and_orders, fullgraph=True, options=options)
         update = torch.compile(update, fullgraph=True, options=options)
         # A stop signal ends their cold compile at once; the loop goes on eagerly to its checkpoint.
-        rollout, advantages_and_orders, update = run.interruptible(rollout, advantages_and_orders, update)
+        rollout, advantages_and_orders, update = speed.interruptible(run, rollout, advantages_and_orders, update)
     if cudagraphs:
         rollout, advantages_and_orders, update = map(CudaGraphModule, (rollout, advantages_and_orders, update))
 

@@ -298,7 +298,7 @@ def main(args: Args):
         update = torch.compile(update, fullgraph=True, options={"guard_filter_fn": speed.value_guards})
         policy = torch.compile(policy, options={"guard_filter_fn": speed.value_guards})
         # A stop signal ends their cold compile at once; the loop goes on eagerly to its checkpoint.
-        update, policy = run.interruptible(update, policy)
+        update, policy = speed.interruptible(run, update, policy)
     elif args.compile:
         notice = "on a CPU --compile leaves this script eager: oneDNN's convolutions are its floor either way"
         print(f"notice: {notice}", file=sys.stderr)

@@ -354,7 +354,7 @@ def main(args: Args):
         update = torch.compile(update, fullgraph=True, options=options)
         rollout = torch.compile(rollout, fullgraph=True, options={**options, "realize_opcount_threshold": 4})
         # A stop signal ends their cold compile at once; the loop goes on eagerly to its checkpoint.
-        update, rollout = run.interruptible(update, rollout)
+        update, rollout = speed.interruptible(run, update, rollout)
     if cudagraphs:
         update, rollout, returns_fn, policy = map(CudaGraphModule, (update, rollout, returns_fn, policy))
 

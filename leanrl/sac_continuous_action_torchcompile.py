@@ -383,7 +383,7 @@ def main(args: Args):
         if device.type == "cuda":
             policy = torch.compile(policy, options={"guard_filter_fn": speed.value_guards})
         # A stop signal ends their cold compile at once; the loop goes on eagerly to its checkpoint.
-        update_critic, update_actor, policy = run.interruptible(update_critic, update_actor, policy)
+        update_critic, update_actor, policy = speed.interruptible(run, update_critic, update_actor, policy)
     if cudagraphs:
         update_critic = CudaGraphModule(update_critic)
         update_actor = CudaGraphModule(update_actor)

@@ -361,7 +361,9 @@ def main(args: Args):
         if device.type == "cuda":
             policy = torch.compile(policy, options=options)
         # A stop signal ends their cold compile at once; the loop goes on eagerly to its checkpoint.
-        update_critic, update_critic_and_actor, policy = run.interruptible(update_critic, update_critic_and_actor, policy)
+        update_critic, update_critic_and_actor, policy = speed.interruptible(
+            run, update_critic, update_critic_and_actor, policy
+        )
     if cudagraphs:
         update_critic = CudaGraphModule(update_critic, device=device)
         update_critic_and_actor = CudaGraphModule(update_critic_and_actor, device=device)

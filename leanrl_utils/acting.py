@@ -91,13 +91,10 @@ def flatten(x, start_dim=0, end_dim=-1):
 
 
 def numpy_forward(module, params, prefix=""):
-    """`module`'s forward in numpy for stacked seeds, x [seeds, rows, features] -> its outputs with a
-    leading seeds dimension, read from the module's own forward (traced by torch.fx): its layers on
-    views of `params` (flat names -> stacked CPU tensors, the module's names under `prefix`;
-    `Tensor.numpy()` shares their memory, so every optimizer step is seen at once), its arithmetic
-    and tensor methods as numpy's. For a few rows a numpy op costs under a microsecond and a torch
-    op several. Never a silent mismatch: a layer or op it has no form for ends the run in one line,
-    and the derived forward is checked against the module on a probe."""
+    """`module`'s forward (traced by torch.fx) as numpy code over stacked seeds, [seeds, rows, ...]:
+    its layers on views of `params` (stacked CPU tensors, names under `prefix`: every optimizer step
+    is seen), its ops as numpy's (under a microsecond where torch's cost several). A layer or op with
+    no numpy form, or a mismatch on a probe, ends the run in one line."""
     name, forms = type(module).__name__, {}
     try:
         graph, error = torch.fx.symbolic_trace(module).graph, None

@@ -9,11 +9,8 @@ from leanrl_utils import checks
 
 
 class ReplayBuffer:
-    """Replay on the training device: transitions (`fields`: name -> (shape of a row, dtype)) in
-    tensors allocated once (`empty`: pages are touched only as the buffer fills), gathered inside
-    the update,
-    staged in host arrays and copied in blocks (when the stage is full, and before each update): on
-    a CPU a torch call costs more than the copy it makes; on CUDA each copy is a transfer."""
+    """Transitions (`fields`: name -> (row shape, dtype)) in device tensors allocated once, staged in
+    host arrays and copied in blocks (a torch call costs more than a row's copy; on CUDA, a transfer)."""
 
     def __init__(self, buffer_size, fields, stage_rows, device):
         row_bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in fields.values())

@@ -1,6 +1,5 @@
-"""Checkpoints that either script of a pair reads: written atomically, loaded as tensors and plain
-types only (`weights_only=True`: a checkpoint cannot run code), refused in one line when they are
-of another algorithm, size or env, malformed or non-finite."""
+"""--save-model / --load-model checkpoints, read by either script of a pair: written atomically, loaded
+`weights_only`, refused in one line when of another algorithm, size or env, malformed or non-finite."""
 
 import os
 from contextlib import suppress
@@ -12,8 +11,7 @@ from leanrl_utils.checks import fail
 
 
 def atomic_save(obj, path):
-    """Write then rename: a crash mid-save leaves the previous file whole, never a broken one, and a
-    failed save (a full disk, an interrupt) leaves no `.tmp` behind."""
+    """Write then rename: a crash leaves the previous file whole, a failure no `.tmp`."""
     tmp = path + ".tmp"
     try:
         with open(tmp, "wb") as f:
@@ -29,8 +27,7 @@ def atomic_save(obj, path):
 
 
 def why(e):
-    """A failed write's cause in a few words: an OSError's own (a full disk, a read-only folder),
-    else the exception's type and first line (torch.save's RuntimeError on a full disk)."""
+    """A failed write's cause in a few words (an OSError's, or the type and first line)."""
     return getattr(e, "strerror", None) or f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
 
 
@@ -45,8 +42,8 @@ def finite(state):
 
 
 def save(path, state, algorithm, args):
-    """`state` (name -> state_dict) as a checkpoint of `algorithm`, copied to the CPU: a seed's
-    weights are a view of all seeds' storage, which torch.save would write whole."""
+    """`state` (name -> state_dict) as a checkpoint of `algorithm`, copied to the CPU (a seed's
+    weights view all seeds' storage, which torch.save would write whole)."""
     model = {name: {k: v.detach().to("cpu", copy=True) for k, v in sd.items()} for name, sd in state.items()}
     return atomic_save({"algorithm": algorithm, "env_id": args.env_id, "args": vars(args), "model": model}, path)
 

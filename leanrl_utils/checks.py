@@ -1,6 +1,5 @@
-"""The flags: parsed (`cli`), and bad input ends a run in one `error:` line naming the flag and what
-would work, before any work: the rules, the budget, the env, the memory a buffer or rollout needs,
-the open files."""
+"""The flags parsed (`cli`), and bad input refused before any work in one `error:` line naming the flag
+and what would work: the rules, the budget, the env, memory, open files."""
 
 import math
 import os
@@ -49,9 +48,8 @@ FILES_PER_SEED = 4
 
 
 def fail(message, every_rank=False):
-    """One line on stderr and exit status 2, never a traceback. Under torchrun only LOCAL_RANK 0
-    says why (every rank fails the same input), unless `every_rank`: a failure of this rank's own;
-    a silent rank waits for torchrun to end it once rank 0 has spoken and exited."""
+    """One line on stderr, exit status 2. Under torchrun LOCAL_RANK 0 speaks (unless `every_rank`: a
+    failure of this rank's own) and the others wait for torchrun to end them."""
     speaks = every_rank or os.environ.get("WORLD_SIZE", "1") == "1" or os.environ.get("LOCAL_RANK", "0") == "0"
     if speaks:
         sys.stderr.write(f"error: {message}\n")  # one write: ranks sharing a stderr cannot split it
@@ -108,9 +106,7 @@ def flags(args, atari=False):
 
 
 def budget(args):
-    """Off-policy scripts learn from the first step past --learning-starts: a budget that ends
-    before it (a smoke run, an install check) runs and trains nothing, which one line says.
-    True for such a budget."""
+    """A budget that ends before --learning-starts (a smoke run) trains nothing: said, and True."""
     if not hasattr(args, "learning_starts") or args.total_timesteps == 0:
         return False
     n, starts = args.num_envs, args.learning_starts
@@ -139,8 +135,7 @@ def open_files(num_seeds):
 
 
 def rollout(args, row_bytes, device=None, per_env=0, per_seed=0):
-    """Rollout storage that will not fit, before any env or tensor is made: `row_bytes` per step of
-    each env, `per_env` per env (the env itself), `per_seed` per seed of --num-seeds."""
+    """Rollout storage that will not fit: `row_bytes` a step of an env, `per_env`, `per_seed` more."""
     device = device or torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     num_seeds = getattr(args, "num_seeds", 1)
     nbytes = num_seeds * (args.num_envs * (args.num_steps * row_bytes + per_env) + per_seed)

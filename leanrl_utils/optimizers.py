@@ -7,14 +7,9 @@ from torch.optim.radam import radam
 
 
 class Adam:
-    """torch.optim.Adam's step as a call on tensors: torch's functional `adam` (the code that
-    `optim.Adam.step()` runs) on state kept here. In a compiled update it traces into the one
-    graph, where `optimizer.step()` would break it (and, on CUDA, compile once per optimizer).
-
-    `params`: (name, parameter) pairs; their detached views are updated in place, so the modules
-    see each step. `lr` may be a 0-d tensor annealed in place. `fused`: one kernel for all the
-    tensors, for eager updates. `capturable` (CUDA): the step counts stay on the device, so a
-    step never syncs and can be captured in a CUDA graph."""
+    """torch's functional `adam` (what `optim.Adam.step()` runs) on state kept here. `params`: (name,
+    parameter) pairs, updated in place; `lr` may be a 0-d tensor annealed in place; `fused`: one
+    kernel, for eager updates; `capturable` (CUDA): step counts on the device, no sync."""
 
     def __init__(self, params, lr, eps=1e-8, fused=False, capturable=False):
         self.params = {name: p.detach() for name, p in params}
@@ -44,9 +39,8 @@ class Adam:
 
 
 class RAdam(Adam):
-    """torch.optim.RAdam's step in the shape of `Adam`. `capturable`: the rectification's branch on
-    the step count becomes a `torch.where`, needed under torch.compile (a branch on a tensor breaks
-    the graph) and on CUDA (no sync); torch refuses it for an eager step on a CPU."""
+    """torch.optim.RAdam's step in the shape of `Adam`; `capturable` (a `torch.where` for the branch
+    on the step count) is needed under torch.compile and on CUDA, and refused eagerly on a CPU."""
 
     @torch.no_grad()
     def step(self, grads):

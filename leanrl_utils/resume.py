@@ -1,6 +1,5 @@
-"""Preemption-safe runs: the flags (`class Args(resume.Flags)`) and reading a `--resume` checkpoint:
-whose it is, which flags the user gave, the run folder held by one process at a time. What the
-checkpoint holds is `state`'s."""
+"""--resume and --checkpoint-every: the flags, resume.pt written and read (whose, which flags were
+typed), the run folder held by one process. What a checkpoint holds is `state`'s."""
 
 import io
 import os
@@ -42,8 +41,7 @@ def given(argv):
 
 
 def hold(folder):
-    """`folder` for this process alone: a lock that a second process is refused by in one line and
-    that a dead process leaves free (the system drops it with the process). Returns the lock."""
+    """A lock on `folder`: a second process is refused in one line; a dead one leaves it free."""
     lock = FileLock(os.path.join(folder, ".lock"))
     try:
         lock.acquire(timeout=0)
@@ -57,10 +55,8 @@ def hold(folder):
 
 
 def read(args, script, argv=None):
-    """With --resume, the checkpoint (its folder as "dir", held by this process as "lock"), once it
-    is checked to be `script`'s and whole. Flags left out of the command line (`argv`) take the
-    run's values; one given that differs is refused, or, when FREE, honoured and said in one line.
-    Without --resume, None."""
+    """--resume's checkpoint (+ "dir", "lock"), checked to be `script`'s and whole, or None. Flags not
+    typed take the run's values; a typed one that differs is refused, or if FREE said in one line."""
     if not getattr(args, "resume", None):
         return None
     where, world_size = f"--resume {args.resume}", int(os.environ.get("WORLD_SIZE", "1"))
@@ -113,10 +109,8 @@ def read(args, script, argv=None):
 
 
 def save(lead, iteration, finished):
-    """runs/<run_name>/resume.pt, atomically: all `--resume` needs to go on at `iteration`, for every
-    seed of the `lead` Run; under torchrun, every rank's state, gathered by rank 0 (all ranks call
-    it). A failed save (a full disk, a folder made read-only) is said in one line and tried again at
-    the next checkpoint; training goes on."""
+    """resume.pt, atomically: what --resume needs to go on at `iteration`, every seed's and (gathered
+    by rank 0) every rank's. A failed save is said in one line and tried again at the next."""
     if lead.loop is None:
         return
     mine = {"objects": {name: state.state_of(obj) for name, obj in lead.objects.items()},
@@ -158,9 +152,7 @@ def save(lead, iteration, finished):
 
 
 def save_finished(lead):
-    """Once, after a loop that ran to its end: a run that keeps resume.pt (--checkpoint-every, or a
-    resumed one) marks it finished, which --resume refuses unless given more steps. Under torchrun
-    every rank calls it before leaving the process group."""
+    """Once, after a loop that ran to its end, a kept resume.pt marked finished (every rank calls it)."""
     if lead.iteration is None or lead.stop_signal or lead.stop_reason or getattr(lead, "ended", False):
         return
     lead.ended = True

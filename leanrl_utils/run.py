@@ -1,8 +1,6 @@
-"""The run recorder: runs/<run_name> (TensorBoard events, curve.csv, checkpoints, resume.pt), wandb
-with --track, the progress bar, steps/s after warm-up, stop signals, and the one-line JSON summary.
-It records what the script's loop tells it; the loop stays the script's."""
+"""The run recorder: runs/<run_name> (TensorBoard, curve.csv, checkpoints, resume.pt), wandb, the
+progress bar, steps/s, stop signals. It records what the script's loop tells it."""
 
-import functools
 import importlib.util
 import itertools
 import math
@@ -17,22 +15,17 @@ import numpy as np
 import torch
 import tqdm
 
-from leanrl_utils import checkpoints, resume, state, summary
+from leanrl_utils import checkpoints, resume, speed, state, summary
 from leanrl_utils.checks import fail
 from leanrl_utils.vector import ended_episodes
 
 CURVE_HEADER = "step,seconds,episodic_return\n"
 
 
-class StopCompile(BaseException):
-    """A stop signal in a cold compile (BaseException: torch's handlers of Exception let it by)."""
-
-
 class Run:
-    """One seed's records; under torchrun only rank 0 writes. `resumed`: the --resume checkpoint
-    (`resume.read`). With --num-seeds, one Run per seed (`seeds.runs`): the first, the lead, takes
-    the stop signals, shows the bar and prints the summary for every seed. The folder is made at
-    the first log point or save, so a run refused before it leaves none."""
+    """One seed's records (under torchrun, rank 0 writes); `resumed`: `resume.read`'s checkpoint. With
+    --num-seeds the first seed's Run, the lead, takes the signals and shows the bar and summary.
+    The folder is made at the first log point or save: a run refused before leaves none."""
 
     def __init__(self, args, total_steps, script, resumed=None, rank=0, lead=None, warmup_updates=3):
         self.args, self.total_steps, self.warmup_updates = args, total_steps, warmup_updates
@@ -63,50 +56,15 @@ class Run:
                 signal.signal(signal.SIGINT, self.on_signal)
 
     def on_signal(self, signum, frame):
-        """Ctrl-C, and SIGTERM by which schedulers stop jobs: noted, and acted on where the loop calls
-        `checkpoint`, at an iteration's start, where the state is whole; during a cold compile, that
-        compile ends here (`interruptible`). Further ones change nothing."""
+        """Ctrl-C and SIGTERM: noted, acted on at the loop's next `checkpoint`; a cold compile ends
+        here (`speed.interruptible`). Further signals change nothing."""
         first, self.stop_signal = self.stop_signal is None, self.stop_signal or signal.Signals(signum)
         if first and self.compiling:
-            raise StopCompile
-
-    def interruptible(self, *fns):
-        """The compiled functions `fns` (torch.compile's) with their cold compile, in the first call,
-        ended by a stop signal at once, not tens of seconds later: that call, and every compiled call
-        after it (`torch.compiler.set_stance`), then runs eagerly, so that the loop reaches its next
-        `checkpoint` and saves. A function that is not compiled is returned as it is."""
-
-        def wrap(fn):
-            eager, first = getattr(fn, "__wrapped__", None), True  # torch.compile's wrapper names fn
-            if eager is None:
-                return fn
-
-            @functools.wraps(fn)  # inspect.unwrap finds what fn closes over (state.closure_generators)
-            def call(*args, **kwargs):
-                nonlocal first
-                if not first:
-                    return fn(*args, **kwargs)
-                lead, first = self.lead, False
-                try:
-                    if lead.stop_signal is None:  # a stop before the compile skips it
-                        lead.compiling = True
-                        return fn(*args, **kwargs)
-                # (A signal in the few ms between the compile's end and the call's return would run
-                # the call twice: a window of ms against the compile's seconds.)
-                except StopCompile:
-                    pass
-                finally:
-                    lead.compiling = False
-                torch.compiler.set_stance("force_eager")
-                return eager(*args, **kwargs)
-
-            return call
-
-        return tuple(map(wrap, fns)) if len(fns) > 1 else wrap(fns[0])
+            raise speed.StopCompile
 
     def open(self):
-        """The run's folder and writers, at the first need: made exclusively (a run started in the same
-        second with the same name gets <name>__2, then __3, ...), or, resumed, cut back to the saved point."""
+        """The folder and writers, at the first need: a new folder (<name>__2, __3... when taken), or
+        the resumed one cut back to the saved point."""
         if self.curve is not None:
             return
         if not self.rank0:
@@ -158,8 +116,7 @@ class Run:
             self.wandb = wandb.init(project=a.wandb_project_name, entity=a.wandb_entity, config=vars(a), name=self.name, **kw)
 
     def reopen_curve(self, saved_bytes):
-        """curve.csv cut back to the checkpoint (points after it come again); a file missing or
-        shorter than saved is rebuilt from its header and the whole rows it holds, and said."""
+        """curve.csv cut back to the checkpoint; one missing or short is rebuilt, and said."""
         path = f"{self.dir}/curve.csv"
         rows = open(path).read().splitlines(keepends=True) if os.path.exists(path) else []
         if sum(map(len, rows)) >= saved_bytes and rows[:1] == [CURVE_HEADER]:
@@ -177,10 +134,9 @@ class Run:
         checkpoints.load(self.args.load_model, networks, self.args.env_id, self.algorithm)
 
     def resume(self, objects, loop, device="cpu"):
-        """Names what resume.pt holds: `objects` (name -> module, optimizer, buffer, envs...; False:
-        none) and `loop()`, the loop's variables, its env step first. With --resume, restores them and the random streams
-        and returns the resumed loop variables (tensors on `device`); else returns `loop()`. Under
-        torchrun each rank restores its own."""
+        """What resume.pt holds: `objects` (name -> module, optimizer, buffer, envs; False: none) and
+        `loop()`, the loop's variables, env step first. Returns them resumed (tensors on `device`),
+        with the random streams and each rank's own state, or `loop()` without --resume."""
         self.objects, self.loop = {name: obj for name, obj in objects.items() if obj is not False}, loop
         if not self.resumed:
             return loop()
@@ -197,8 +153,8 @@ class Run:
         return loop
 
     def checkpoint(self, iteration):
-        """At the start of each iteration, where the state is whole: saves resume.pt when a stop
-        signal came or --checkpoint-every is due. True: stop the loop (every rank at once)."""
+        """At each iteration's start: resume.pt when stopped or --checkpoint-every is due. True: stop
+        the loop (every rank at once)."""
         every = getattr(self.args, "checkpoint_every", 0)
         stop = self.stop_signal is not None
         save = stop or bool(every and time.perf_counter() - self.due >= every)
@@ -225,8 +181,8 @@ class Run:
         self.points.append((step, {"charts/episodic_return": r, "charts/episodic_length": n}))
 
     def write(self):
-        """The points since the last log point, to TensorBoard and wandb. A writer that fails (a full
-        disk, a folder made read-only) is said in one line and dropped; training goes on."""
+        """The points since the last log point, to TensorBoard and wandb; a failing writer is said in
+        one line and dropped."""
         try:
             for step, values in self.points:
                 for k, v in values.items() if self.writer else ():
@@ -256,8 +212,8 @@ class Run:
         return float(np.mean(self.returns)) if self.returns else None
 
     def log(self, step, updates, metrics, networks):
-        """A log point: steps/s (from the first with `warmup_updates` updates done, when every compiled
-        callable has run), bar, curve, metrics, and with --save-model the weights if they are finite."""
+        """A log point: steps/s (once `warmup_updates` have run), bar, curve, metrics, and with
+        --save-model the weights if finite."""
         self.open()
         seeds = len(self.seeds)
         if self.bar is None:

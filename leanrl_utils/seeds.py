@@ -1,6 +1,5 @@
-"""Seeds stacked in one process (--num-seeds): their parameters stacked on a leading dimension,
-a module's forward over the stack (derived from the module), and one Run per seed, logged and
-finished together."""
+"""--num-seeds in one process: parameters stacked on a leading dimension, a module's forward over the
+stack, and one Run per seed, logged and finished together."""
 
 import math
 from dataclasses import replace
@@ -13,9 +12,8 @@ from leanrl_utils.run import Run
 
 
 def stack(networks):
-    """The networks' parameters stacked on a leading seed dimension (flat names -> tensors); each
-    network's parameters become views of its slice, so it acts, evaluates and saves with its seed's
-    current weights. One network is a stack of one."""
+    """The networks' parameters stacked (flat names -> [seeds, ...]); each network's become views of
+    its slice, so it acts, evaluates and saves with its seed's current weights."""
     stacked = torch.stack([from_module(net).data for net in networks]).contiguous()
     for k, net in enumerate(networks):
         stacked[k].to_module(net)
@@ -23,11 +21,9 @@ def stack(networks):
 
 
 def forward(module, shared=()):
-    """`module`'s forward for stacked seeds, read from the module itself: (params [seeds, ...] as
-    from `stack_seeds`, *inputs [seeds, rows, ...]) -> outputs [seeds, rows, ...], each seed's rows
-    through its own weights (torch.func.vmap of functional_call). `shared`: the positions of inputs
-    that every seed takes whole (e.g. twin critics on one batch). A stack of one runs the module's
-    own ops, so one seed computes exactly what the module computes, at its speed."""
+    """`module`'s forward over stacked seeds: (params from `stack`, *inputs [seeds, rows, ...]) ->
+    [seeds, rows, ...] (vmap of functional_call); `shared`: positions of inputs every seed takes
+    whole. A stack of one runs the module's own ops: exactly what the module computes."""
 
     def call(p, *inputs):
         return torch.func.functional_call(module, p, inputs)
@@ -44,9 +40,8 @@ def forward(module, shared=()):
 
 
 def vmap(fn, num_seeds):
-    """`fn(params, *inputs)` of one agent over stacked seeds (params, inputs and outputs [seeds, ...]):
-    torch.func.vmap, and for a stack of one the agent's own ops on seed 0's views, so that one seed
-    computes exactly what one agent computes (as `forward`)."""
+    """`fn(params, *inputs)` of one agent over stacked seeds: torch.func.vmap, or for a stack of one
+    the agent's own ops (as `forward`)."""
     if num_seeds > 1:
         return torch.func.vmap(fn)
 
@@ -87,9 +82,8 @@ def episodes(runs, step, infos, num_envs):
 
 
 def log(runs, step, updates, metrics, names, networks, **charts):
-    """A log point of every seed. `metrics`: a [len(names), seeds] tensor (or None before the first
-    update), `networks`: each seed's name -> module. A non-finite loss stops the run: it returns
-    False with every seed's stop reason set. note: a host sync."""
+    """A log point of every seed (`metrics`: [len(names), seeds] or None; `networks`: each seed's).
+    False after a non-finite loss, which stops every seed. note: a host sync."""
     seed_stats = [{}] * len(runs)
     if metrics is not None:
         seed_stats = [dict(zip(names, values)) for values in metrics.reshape(len(names), len(runs)).T.tolist()]
@@ -108,7 +102,6 @@ def log(runs, step, updates, metrics, names, networks, **charts):
 
 
 def finish(runs, step, updates, networks, evaluate, **fields):
-    """Finish every seed's run, the lead last (its summary reports every seed). `evaluate(nets,
-    args, run_name)` evaluates one seed's networks."""
+    """Every seed's run finished, the lead's last; `evaluate(nets, args, run_name)`: one seed's."""
     for run, nets in reversed(list(zip(runs, networks))):
         run.finish(step, updates, nets, lambda run=run, nets=nets: evaluate(nets, run.args, run.name), **fields)

@@ -1,6 +1,7 @@
-"""The speed toggles' plumbing: the device, CPU threads, whether CUDA graphs run, and the guards
-that torch.compile keeps."""
+"""The speed toggles' plumbing: the device, CPU threads, whether CUDA graphs run, the guards that
+torch.compile keeps, and a cold compile that a stop signal ends."""
 
+import functools
 import sys
 
 import torch
@@ -28,3 +29,40 @@ VALUE_GUARDS = {"TENSOR_MATCH", "CONSTANT_MATCH", "EQUALS_MATCH", "ID_MATCH", "T
 
 def value_guards(entries):
     return [e.guard_type in VALUE_GUARDS or (e.guard_type == "CLOSURE_MATCH" and not e.is_global) for e in entries]
+
+
+class StopCompile(BaseException):
+    """A stop signal in a cold compile (BaseException: torch's handlers of Exception let it by)."""
+
+
+def interruptible(run, *fns):
+    """torch.compile'd `fns` whose cold compile (their first call) a stop signal ends at once, not
+    tens of seconds later (`Run.on_signal` raises StopCompile): that call and every compiled call
+    after it then run eagerly, so the loop reaches its next `checkpoint` and saves."""
+
+    def wrap(fn):
+        eager, first = getattr(fn, "__wrapped__", None), True  # torch.compile's wrapper names fn
+        if eager is None:
+            return fn
+
+        @functools.wraps(fn)  # inspect.unwrap finds what fn closes over (state.closure_generators)
+        def call(*args, **kwargs):
+            nonlocal first
+            if not first:
+                return fn(*args, **kwargs)
+            lead, first = run.lead, False
+            try:
+                if lead.stop_signal is None:  # a stop before the compile skips it
+                    lead.compiling = True
+                    return fn(*args, **kwargs)
+            # (A signal in the ms between the compile's end and the call's return runs the call twice.)
+            except StopCompile:
+                pass
+            finally:
+                lead.compiling = False
+            torch.compiler.set_stance("force_eager")
+            return eager(*args, **kwargs)
+
+        return call
+
+    return tuple(map(wrap, fns)) if len(fns) > 1 else wrap(fns[0])

@@ -61,9 +61,8 @@ def from_plain(x, device=None):
 
 
 def state_of(obj):
-    """What a run needs of `obj` to go on exactly: a module's or optimizer's state_dict, a
-    TensorDict's tensors, a gymnasium env's layers, the numpy generators a function (a policy's
-    noise) closes over, or the plain attributes of any other object (a replay buffer's filled rows)."""
+    """What a run needs of `obj` to go on exactly: a state_dict, a TensorDict's tensors, an env's
+    layers, the generators a function closes over, or plain attributes (a buffer's filled rows)."""
     if isinstance(obj, torch.Tensor):  # a value updated in place (SAC's alpha)
         return {"tensor": obj.detach().cpu().clone()}
     if hasattr(obj, "flatten_keys"):  # a TensorDict of stacked parameters
@@ -139,8 +138,7 @@ def env_layers(env):
 
 
 def layer_state(layer):
-    """A layer's plain attributes, its spaces' generators (their sample()), its running statistics
-    (observation and reward normalization) and MuJoCo's integration state."""
+    """A layer's plain attributes, spaces' generators, running statistics and MuJoCo state."""
     state = {k: p for k, v in vars(layer).items() if k not in ("env", "envs") and (p := to_plain(v)) is not SKIP}
     for k, v in vars(layer).items():
         if isinstance(v, gym.spaces.Space):

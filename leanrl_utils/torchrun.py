@@ -11,9 +11,8 @@ from leanrl_utils.checks import fail
 
 
 def init(args):
-    """This process's (rank, world size, device). Under torchrun it joins the process group (gloo on
-    a CPU, nccl on CUDA unless --backend says otherwise; each rank on the GPU of its LOCAL_RANK).
-    Every collective waits at most --dist-timeout: a rank that stops never hangs the others."""
+    """(rank, world size, device); under torchrun, the process group joined (gloo on a CPU, nccl on
+    CUDA, or --backend; the GPU of LOCAL_RANK), every collective waiting at most --dist-timeout."""
     import torch.distributed as dist
 
     cuda = torch.cuda.is_available() and args.cuda
@@ -69,8 +68,7 @@ def broadcast(params):
 
 
 def all_reduce_mean(grads, metrics, world_size):
-    """The mean over the ranks of the gradients (name -> tensor) and the metrics: one flat buffer,
-    one `all_reduce` per step."""
+    """The ranks' mean gradients (name -> tensor) and metrics, in one flat `all_reduce`."""
     import torch.distributed as dist
 
     flat = torch.cat([g.reshape(-1) for g in grads.values()] + [metrics])
@@ -81,8 +79,7 @@ def all_reduce_mean(grads, metrics, world_size):
 
 
 def gather_episodes(episodes, rank, world_size):
-    """Every rank's finished episodes, (step, return, length), on rank 0 in step order (an empty
-    list elsewhere). note: a host sync, once per iteration."""
+    """Every rank's (step, return, length) on rank 0 in step order, [] elsewhere. note: a host sync."""
     import torch.distributed as dist
 
     gathered = [None] * world_size if rank == 0 else None
@@ -91,9 +88,8 @@ def gather_episodes(episodes, rank, world_size):
 
 
 def leave(run, params, world_size, lost):
-    """The end of a torchrun run: ranks whose parameters drifted apart (checksums) exit 1, since
-    rank 0's checkpoint must be every rank's model; then leave the group. After Ctrl-C or a lost
-    rank no collective is tried."""
+    """The end of a torchrun run: parameters that drifted apart across ranks (checksums) exit 1, then
+    the group is left (no collective after a stop or a lost rank)."""
     import torch.distributed as dist
 
     fields = {}

@@ -1,6 +1,5 @@
-"""Vector envs as the scripts use them: gymnasium's under SAME_STEP autoreset with a cheaper step,
-envpool's Atari games with CleanRL's settings and whole-game statistics, and the one-line checks
-that an env id can be made here."""
+"""Vector envs: gymnasium's under SAME_STEP autoreset, envpool's Atari with CleanRL's settings and
+whole-game statistics, and the checks that an env id can be made here."""
 
 import functools
 import math
@@ -13,8 +12,7 @@ from leanrl_utils.checks import fail
 
 
 def check_env(env_id, atari=False, example=None):
-    """One line, before the run's folder exists, for an --env-id that cannot be made here: an
-    envpool Atari game is looked up in envpool's list, a gymnasium env is made once (`env_sizes`)."""
+    """One line for an --env-id that cannot be made here (envpool's list, or one gymnasium env made)."""
     if atari:
         try:
             import envpool
@@ -32,8 +30,7 @@ def check_env(env_id, atari=False, example=None):
 
 @functools.cache
 def env_sizes(env_id):
-    """The flat sizes of a gymnasium env's observation and action (a discrete action: 1), from one
-    env made here; an env that cannot be made (a missing package, a retired version) is one line."""
+    """A gymnasium env's flat observation and action sizes; one that cannot be made is one line."""
     try:
         env = gym.make(env_id)
     except Exception as e:  # gymnasium raises many types: ImportError, DependencyNotInstalled, Error
@@ -49,9 +46,8 @@ def env_sizes(env_id):
 
 
 class SameStepEnvs(gym.vector.SyncVectorEnv):
-    """gymnasium's SyncVectorEnv under SAME_STEP autoreset with a shorter step: the same arrays, and
-    infos holding only the episode ends (final_obs, final_info), without the generic batching that
-    costs more than a small env's step."""
+    """SyncVectorEnv under SAME_STEP autoreset with a shorter step: infos hold only the episode ends
+    (final_obs, final_info), without the batching that costs more than a small env's step."""
 
     def __init__(self, env_fns):
         super().__init__(env_fns, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
@@ -70,8 +66,7 @@ class SameStepEnvs(gym.vector.SyncVectorEnv):
 
 
 def real_next_obs(next_obs, infos):
-    """The observation each env reached: where an episode just ended, `next_obs` already starts the
-    next one and the true last one is in infos."""
+    """The observation each env reached (where an episode ended, infos' final_obs)."""
     if "final_obs" not in infos:
         return next_obs
     real = next_obs.copy()
@@ -81,8 +76,7 @@ def real_next_obs(next_obs, infos):
 
 
 def ended_episodes(step, infos):
-    """The episodes that ended in `infos`, as (step, return, length), from gymnasium's episode
-    statistics (in infos["final_info"] under SAME_STEP autoreset)."""
+    """The episodes that ended in `infos`, as (step, return, length)."""
     info = infos.get("final_info", infos)
     if "episode" not in info:
         return []
@@ -91,9 +85,8 @@ def ended_episodes(step, infos):
 
 
 class RecordEpisodeStatistics(gym.vector.VectorWrapper):
-    """envpool Atari: returns and lengths of whole games over all lives, from unclipped rewards (a
-    game ends when `infos["terminated"]` says no lives are left, or at the step limit), reported as
-    gymnasium's vector wrapper does. Steps count every call, reset steps included, as in CleanRL."""
+    """envpool Atari: returns and lengths of whole games (all lives, unclipped rewards), as gymnasium's
+    vector wrapper reports them; every call counts a step, as in CleanRL."""
 
     def __init__(self, env):
         super().__init__(env)
@@ -120,8 +113,7 @@ class RecordEpisodeStatistics(gym.vector.VectorWrapper):
 
 
 class RecordGameVideo(gym.vector.VectorWrapper):
-    """envpool Atari: videos of env 0's whole games on gymnasium's RecordVideo schedule (games 0, 1,
-    8, 27, ..., 1000, 2000, ...); a rendered frame costs a copy only while a game is recorded."""
+    """envpool Atari: videos of env 0's whole games on gymnasium's RecordVideo schedule."""
 
     def __init__(self, env, video_folder, fps=15):
         # Imported here: gymnasium's save_video module raises at import without moviepy.
@@ -165,8 +157,7 @@ class RecordGameVideo(gym.vector.VectorWrapper):
 
 
 def envpool_envs(env_id, num_envs, seed, capture_video=False, video_folder=None):
-    """An envpool batch of `num_envs` Atari games with CleanRL's settings, or one clear line for
-    what is missing."""
+    """`num_envs` envpool Atari games with CleanRL's settings, or one line for what is missing."""
     import importlib.util
 
     check_env(env_id, atari=True)
