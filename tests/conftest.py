@@ -123,6 +123,19 @@ def stop_and_read(proc, signum, seen, send=True):
     return last_summary(stdout)
 
 
+def spy(monkeypatch, owner, name, keep=lambda out, *args, **kwargs: out):
+    """Wrap `owner.name` for the test: each call appends keep(its result, its arguments) to the list returned."""
+    seen, original = [], getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        out = original(*args, **kwargs)
+        seen.append(keep(out, *args, **kwargs))
+        return out
+
+    monkeypatch.setattr(owner, name, wrapper)
+    return seen
+
+
 def run_without(module, script, *args, cwd):
     """Run a script as if `module` were not installed (its import fails)."""
     command = [*script_command(script, before=f"import sys; sys.modules[{module!r}] = None"), *map(str, args)]
@@ -137,6 +150,16 @@ def error_line(err, *words):
     for word in words:
         assert word.lower() in errors[0].lower(), errors[0]
     return errors[0]
+
+
+def refused_call(capsys, call, *args, words=(), **kwargs):
+    """call(*args, **kwargs) exits 2, its stderr one `error:` line naming `words`; returns the line."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        call(*args, **kwargs)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("error:") and err.count("\n") == 1, err
+    return error_line(err, *words)
 
 
 def assert_one_line_error(proc, *words, code=None):
@@ -175,6 +198,15 @@ def main_in_process(module, *argv, tmp_path, monkeypatch):
     except SystemExit as e:
         return e.code
     return 0
+
+
+def trained_checkpoints(module, *argv, tmp_path, monkeypatch, capsys):
+    """main_in_process with `argv` and --save-model runs through; returns its summary and every checkpoint's model
+    (each weight finite)."""
+    assert main_in_process(module, *argv, "--save-model", tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
+    models = [torch.load(path, weights_only=True)["model"] for path in sorted(tmp_path.glob("runs/*/*.pt"))]
+    assert all(torch.isfinite(t).all() for model in models for net in model.values() for t in net.values())
+    return last_summary(capsys.readouterr().out), models
 
 
 def refused_in_process(module, *argv, tmp_path, monkeypatch, capsys, words=()):

@@ -74,6 +74,7 @@ BAD = {
     "eval_episodes": ["-1"],
     "max_grad_norm": ["inf"],
     "policy_frequency": ["0"],
+    "num_seeds": ["0"],
 }
 CASES = [
     (script, flag, value)
