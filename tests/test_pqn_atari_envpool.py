@@ -2,14 +2,11 @@
 compiled against eager, reset steps masked), a changed network. No learning test (hours)."""
 
 import copy
-import glob
-import json
 
 import numpy as np
-import pytest
 import torch
 import torch.nn as nn
-from conftest import atari_batch, main_in_process
+from conftest import atari_batch, refused_call, trained_checkpoints
 
 import leanrl_utils
 
@@ -17,9 +14,8 @@ FAMILY = "pqn_atari_envpool"
 
 
 def reference_returns(rewards, values, next_value, terminations, dones, gamma, q_lambda):
-    """Q(lambda) one env and one step at a time under envpool's autoreset: where an episode
-    ended at t, the next frame (values[t + 1]) is still that episode's last one, so a truncation
-    bootstraps from it; only the bootstrap is left where the episode ended or the rollout ends."""
+    """Q(lambda) under envpool's autoreset: where an episode ended at t, values[t + 1] is still its last frame's, so
+    a truncation bootstraps from it; only the bootstrap is left where the episode or the rollout ends."""
     num_steps, num_envs = rewards.shape
     returns = np.zeros((num_steps, num_envs))
     for env in range(num_envs):
@@ -35,18 +31,15 @@ def reference_returns(rewards, values, next_value, terminations, dones, gamma, q
 
 
 def test_returns_match_the_reference_loop(lean):
-    """A lost life at step 4 of env 0 (step 5 is envpool's reset step), a truncation at step 9 of
-    env 1, a termination at the rollout's last step in env 2, env 3 never ends. Tolerance 1e-5
-    (float32 against float64)."""
+    """A lost life at step 4 of env 0 (step 5 is the reset step), a truncation at 9 in env 1, a termination at the
+    last step in env 2, env 3 never ends (float32 against float64: 1e-5)."""
     g = torch.Generator().manual_seed(0)
     num_steps, num_envs = 16, 4
     rewards = torch.randint(0, 2, (num_steps, num_envs), generator=g).float()
     values = torch.randn(num_steps, num_envs, generator=g) * 3
     next_value = torch.randn(num_envs, generator=g)
     terminations, dones = torch.zeros(num_steps, num_envs), torch.zeros(num_steps, num_envs)
-    terminations[4, 0] = dones[4, 0] = 1
-    dones[9, 1] = 1
-    terminations[-1, 2] = dones[-1, 2] = 1
+    terminations[4, 0] = dones[4, 0] = dones[9, 1] = terminations[-1, 2] = dones[-1, 2] = 1
     case = (rewards, values, next_value, terminations, dones)
     returns_fn = lean.make_returns(0.99, 0.65)
     expected = reference_returns(*[x.double().numpy() for x in case], 0.99, 0.65)
@@ -62,8 +55,8 @@ def make_batch(n, seed=0):
 
 
 def test_lean_network_is_the_plain_network(plain, lean):
-    """The lean QNetwork runs channels-last, its LayerNorms over (H, W, C) rows: the same function
-    of the same parameters (names included, so checkpoints move between the twins), to rounding."""
+    """The lean QNetwork (channels-last, LayerNorms over (H, W, C) rows) is the plain one's function of the same
+    parameters, names included (checkpoints move between the twins)."""
     torch.manual_seed(0)
     q_network, reference = lean.QNetwork(6), plain.QNetwork(6)
     assert q_network.state_dict().keys() == reference.state_dict().keys()
@@ -73,11 +66,9 @@ def test_lean_network_is_the_plain_network(plain, lean):
 
 
 def test_lean_update_is_the_plain_update(plain, lean):
-    """The lean step against the plain script's as written in pqn_atari_envpool.py (masked squared
-    error, clipping biting at 0.5, RAdam), the lr annealed (rtol 1e-4, atol 1e-6)."""
+    """The lean step against pqn_atari_envpool.py's written out (masked error, clipping biting, RAdam, lr annealed)."""
     torch.manual_seed(0)
-    q_network = lean.QNetwork(4)
-    reference = plain.QNetwork(4)
+    q_network, reference = lean.QNetwork(4), plain.QNetwork(4)
     reference.load_state_dict(q_network.state_dict())
     lr = torch.tensor(2.5e-4)
     update = lean.make_update(q_network, leanrl_utils.optimizers.RAdam(q_network.named_parameters(), lr), max_grad_norm=0.5)
@@ -104,8 +95,7 @@ def test_lean_update_is_the_plain_update(plain, lean):
 
 
 def test_reset_steps_are_left_out_of_the_update(lean):
-    """A minibatch with reset steps (valid 0) makes the same step as the same minibatch with
-    them dropped, whatever the reset steps hold."""
+    """A minibatch with reset steps (valid 0) steps as it does without them, whatever they hold."""
     torch.manual_seed(0)
     init = lean.QNetwork(4)
     batch = make_batch(32, seed=1)
@@ -130,16 +120,13 @@ def test_reset_steps_are_left_out_of_the_update(lean):
 
 
 def test_compiled_update_matches_eager(lean):
-    """The update as --compile builds it on CUDA (fullgraph, RAdam capturable), run here on a
-    CPU, against eager from the same parameters on 4 minibatches. Tolerance rtol 1e-4, atol 1e-6
-    (float32 convolutions in another order)."""
+    """As --compile builds it (fullgraph, RAdam capturable) against eager (rtol 1e-4: convolutions in another order)."""
     torch.manual_seed(0)
     q_eager = lean.QNetwork(4)
     q_compiled = copy.deepcopy(q_eager)
-    eager = lean.make_update(q_eager, leanrl_utils.optimizers.RAdam(q_eager.named_parameters(), torch.tensor(2.5e-4)), 10.0)
-    compiled = lean.make_update(
-        q_compiled, leanrl_utils.optimizers.RAdam(q_compiled.named_parameters(), torch.tensor(2.5e-4), capturable=True), 10.0
-    )
+    radam = lambda net, **options: leanrl_utils.optimizers.RAdam(net.named_parameters(), torch.tensor(2.5e-4), **options)
+    eager = lean.make_update(q_eager, radam(q_eager), 10.0)
+    compiled = lean.make_update(q_compiled, radam(q_compiled, capturable=True), 10.0)
     compiled = torch.compile(compiled, fullgraph=True, options={"guard_filter_fn": leanrl_utils.speed.value_guards})
     batch = make_batch(32, seed=3)
     for idx in torch.randperm(32).split(8):
@@ -149,9 +136,8 @@ def test_compiled_update_matches_eager(lean):
 
 
 def changed_network(lean, head_activation=nn.Tanh):
-    """lean.QNetwork as a researcher might change it: two convolutions of other widths, Tanh for
-    ReLU, a narrower head with one more layer. LayerNorm weights made random, so that reading
-    them in channels-last order is put to the test."""
+    """QNetwork changed: other convolution widths, Tanh, a narrower head with one more layer; random LayerNorm
+    weights, so that reading them in channels-last order is put to the test."""
 
     class ChangedQNetwork(lean.QNetwork):
         def __init__(self, n_act, device=None):
@@ -174,10 +160,8 @@ def changed_network(lean, head_activation=nn.Tanh):
 
 
 def test_a_changed_network_acts_as_its_module(lean, monkeypatch, capsys):
-    """With QNetwork changed, every lean form follows the module: the channels-last forward (1e-5),
-    make_policy's greedy action and max Q and the stacked-seed form (exact). numpy_forward refuses the
-    convolution in one line; the head in numpy and torch acts as the module's head (one seed and
-    stacked), and a GELU in it is refused by name. (vmap cannot run channels-last seeds: no --num-seeds.)"""
+    """With QNetwork changed every form follows the module: the channels-last forward, make_policy's action and max Q,
+    the stacked form; numpy_forward refuses the convolution, and acts as the head (a GELU in it refused by name)."""
     monkeypatch.setattr(lean, "QNetwork", changed_network(lean))
     torch.manual_seed(0)
     q_network, other = lean.QNetwork(6), lean.QNetwork(6)
@@ -194,11 +178,7 @@ def test_a_changed_network_acts_as_its_module(lean, monkeypatch, capsys):
         params = dict(leanrl_utils.seeds.stack([q_network]).items())
         assert torch.equal(leanrl_utils.seeds.forward(q_network)(params, frames[None])[0], expected)
 
-        with pytest.raises(SystemExit) as exit_info:
-            leanrl_utils.acting.numpy_forward(q_network, params)
-        assert exit_info.value.code == 2
-        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-        assert len(errors) == 1 and "network.0 (Conv2d)" in errors[0], errors
+        refused_call(capsys, leanrl_utils.acting.numpy_forward, q_network, params, words=["network.0 (Conv2d)"])
 
         head = q_network.network[7:]  # after Flatten; its layers keep their names ("7", ...)
         features = [net.network[:7](frames / 255.0) for net in (q_network, other)]
@@ -208,30 +188,22 @@ def test_a_changed_network_acts_as_its_module(lean, monkeypatch, capsys):
             x = torch.stack(features[: len(nets)])
             in_numpy = leanrl_utils.acting.numpy_forward(head, head_params, prefix="network.")(x.numpy().copy())
             in_torch = leanrl_utils.seeds.forward(head)({k.removeprefix("network."): p for k, p in head_params.items()}, x)
-            # One seed runs the module's own ops; stacked seeds run batched matmuls (another sum order).
-            exact = len(nets) == 1
+            exact = dict(rtol=0, atol=0) if len(nets) == 1 else dict(rtol=1e-5, atol=1e-6)  # one seed: the module's own ops
             for k, net in enumerate(nets):
                 expected = net.network[7:](features[k])
                 torch.testing.assert_close(torch.from_numpy(in_numpy[k]), expected, rtol=1e-5, atol=1e-5)
-                torch.testing.assert_close(in_torch[k], expected, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-6)
+                torch.testing.assert_close(in_torch[k], expected, **exact)
 
     gelu = changed_network(lean, head_activation=nn.GELU)(6)
     params = {name: p for name, p in leanrl_utils.seeds.stack([gelu]).items() if int(name.split(".")[1]) >= 7}
-    with pytest.raises(SystemExit) as exit_info:
-        leanrl_utils.acting.numpy_forward(gelu.network[7:], params, prefix="network.")
-    assert exit_info.value.code == 2
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "network.9 (GELU)" in errors[0], errors
+    numpy_head = leanrl_utils.acting.numpy_forward
+    refused_call(capsys, numpy_head, gelu.network[7:], params, prefix="network.", words=["network.9 (GELU)"])
 
 
 def test_a_changed_network_trains_and_saves(lean, monkeypatch, tmp_path, capsys):
-    """The lean script's whole run with its QNetwork changed: the update (functional_call of the
-    module) and the checkpoint follow the module, with its shapes and finite weights."""
+    """A run with QNetwork changed: the update and the checkpoint follow the module (its shapes, finite weights)."""
     monkeypatch.setattr(lean, "QNetwork", changed_network(lean))
-    assert main_in_process(lean, "--save-model", tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    summary, (model,) = trained_checkpoints(lean, tmp_path=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
     assert summary["updates"] == 8 and summary["total_steps"] == 64
-    (path,) = glob.glob(str(tmp_path / "runs" / "*" / "*.pt"))
-    saved = torch.load(path, weights_only=True)["model"]["q_network"]
+    saved = model["q_network"]
     assert saved["network.0.weight"].shape == (16, 4, 8, 8) and saved["network.10.weight"].shape == (64, 128)
-    assert all(v.isfinite().all() for v in saved.values())
