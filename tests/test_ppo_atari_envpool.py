@@ -1,6 +1,5 @@
-"""PPO on Atari (envpool): the update (lean against plain, compiled against eager, reset steps masked), GAE,
-the policy's sampling, whole-game returns over lives, --target-kl in both scripts, a changed network, and
-the envpool extra. No learning test (hours)."""
+"""PPO on Atari (envpool): the update (lean against plain, compiled, reset steps masked), GAE, sampling, whole-game
+returns over lives, --target-kl in both scripts, a changed network, the envpool extra. No learning test (hours)."""
 
 import copy
 import functools
@@ -17,11 +16,12 @@ from conftest import (
     assert_one_line_error,
     atari_batch,
     load_script,
-    main_in_process,
     pair,
     run_script,
     run_without,
+    spy,
     stack_of_one,
+    trained_checkpoints,
     unstacked,
 )
 
@@ -39,8 +39,7 @@ def make_batch(n, seed=0):
 
 
 def agent_and_update(lean, args, source=None, compiled=False):
-    """An agent (a copy of `source`'s parameters if given), its learning-rate tensor and its
-    update, with Adam as the script builds it (fused eager, unfused under torch.compile)."""
+    """An agent (`source`'s parameters if given), its lr tensor and update, Adam fused eager, unfused compiled."""
     agent = lean.Agent(4)
     if source is not None:
         agent.load_state_dict(source.state_dict())
@@ -50,13 +49,11 @@ def agent_and_update(lean, args, source=None, compiled=False):
 
 
 def assert_same_parameters(agent_a, agent_b, **tolerance):
-    for (name, a), (_, b) in zip(agent_a.named_parameters(), agent_b.named_parameters()):
-        torch.testing.assert_close(b, a, msg=name, **tolerance)
+    torch.testing.assert_close(dict(agent_b.named_parameters()), dict(agent_a.named_parameters()), **tolerance)
 
 
 def test_compiled_update_matches_eager(lean):
-    """The compiled step (fullgraph, unfused Adam, channels-last frames as stored on a CPU) agrees
-    with the eager one (fused Adam, NCHW), the lr annealed in place (metrics 1e-4/1e-5, parameters atol 1e-6)."""
+    """The compiled step (fullgraph, unfused Adam, channels-last frames) agrees with eager (fused, NCHW), lr annealed."""
     torch.manual_seed(0)
     args = lean.Args()
     batch = make_batch(64)
@@ -66,17 +63,14 @@ def test_compiled_update_matches_eager(lean):
     initial = copy.deepcopy(eager_agent.state_dict())
     batch_cl = (batch[0].contiguous(memory_format=torch.channels_last),) + batch[1:]
     for k, idx in enumerate(torch.randperm(64).split(16)):
-        eager_lr.fill_(args.learning_rate * (1 - k / 4))
-        compiled_lr.fill_(args.learning_rate * (1 - k / 4))
+        eager_lr.fill_(args.learning_rate * (1 - k / 4)), compiled_lr.fill_(args.learning_rate * (1 - k / 4))
         torch.testing.assert_close(compiled(*batch_cl, idx), eager(*batch, idx), rtol=1e-4, atol=1e-5)
     assert_same_parameters(eager_agent, compiled_agent, rtol=1e-4, atol=1e-6)
-    for name, p in eager_agent.named_parameters():
-        assert not torch.equal(p, initial[name]), name
+    assert all(not torch.equal(p, initial[name]) for name, p in eager_agent.named_parameters())
 
 
 def test_lean_update_is_the_plain_update(plain, lean):
-    """The lean step against the plain script's masked step as written in ppo_atari_envpool.py, the
-    lr annealed and the clipping biting (rtol 1e-4: log-softmax and entropy in other float32 ops; atol 1e-6)."""
+    """The lean step against ppo_atari_envpool.py's masked step written out, lr annealed, clipping biting (rtol 1e-4)."""
     torch.manual_seed(0)
     args = lean.Args(max_grad_norm=0.05)
     agent, lr, update = agent_and_update(lean, args)
@@ -89,8 +83,6 @@ def test_lean_update_is_the_plain_update(plain, lean):
         lr.fill_(args.learning_rate * (1 - k / 4))
         optimizer.param_groups[0]["lr"] = args.learning_rate * (1 - k / 4)
         metrics = update(*batch, mb_inds)
-
-        # ppo_atari_envpool.py's minibatch step
         mb_valid = b_valid[mb_inds]
         n_valid = mb_valid.sum().clamp(min=1)
         _, newlogprob, entropy, newvalue = reference.get_action_and_value(b_obs[mb_inds], b_actions[mb_inds])
@@ -104,9 +96,8 @@ def test_lean_update_is_the_plain_update(plain, lean):
         adv_mean = (mb_advantages * mb_valid).sum() / n_valid
         adv_std = (((mb_advantages - adv_mean) ** 2 * mb_valid).sum() / (n_valid - 1).clamp(min=1)).sqrt()
         mb_advantages = (mb_advantages - adv_mean) / (adv_std + 1e-8)
-        pg_loss = (
-            torch.max(-mb_advantages * ratio, -mb_advantages * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)) * mb_valid
-        ).sum() / n_valid
+        clipped = -mb_advantages * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)
+        pg_loss = (torch.max(-mb_advantages * ratio, clipped) * mb_valid).sum() / n_valid
         newvalue = newvalue.view(-1)
         v_clipped = b_values[mb_inds] + (newvalue - b_values[mb_inds]).clamp(-args.clip_coef, args.clip_coef)
         v_loss_max = torch.max((newvalue - b_returns[mb_inds]) ** 2, (v_clipped - b_returns[mb_inds]) ** 2)
@@ -117,7 +108,6 @@ def test_lean_update_is_the_plain_update(plain, lean):
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), args.max_grad_norm)
         optimizer.step()
-
         expected = torch.stack([v_loss, pg_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac]).detach()
         torch.testing.assert_close(metrics, expected, rtol=1e-4, atol=1e-6)
         assert norm > args.max_grad_norm
@@ -125,8 +115,7 @@ def test_lean_update_is_the_plain_update(plain, lean):
 
 
 def test_reset_steps_are_left_out_of_the_update(lean):
-    """A minibatch with reset steps (valid 0) makes the same step, with the same metrics, as
-    the same minibatch with those steps dropped; and what a reset step holds changes nothing."""
+    """A minibatch with reset steps (valid 0) steps as it does without them, whatever they hold."""
     torch.manual_seed(0)
     args = lean.Args()
     init = lean.Agent(4)
@@ -151,8 +140,7 @@ def test_reset_steps_are_left_out_of_the_update(lean):
 
 
 def test_explained_variance_is_the_plain_scripts(lean):
-    """The lean script's masked explained variance equals the plain script's numpy lines on the
-    valid steps (rtol 1e-5, float32 sums in another order), and is NaN for constant returns."""
+    """The masked explained variance is the plain script's numpy lines on the valid steps; NaN for constant returns."""
     g = torch.Generator().manual_seed(4)
     values, returns = torch.randn(256, generator=g), torch.randn(256, generator=g)
     valid = (torch.rand(256, generator=g) > 0.2).float()
@@ -181,10 +169,8 @@ def cleanrl_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda
 
 
 def test_gae_matches_cleanrl_loop_with_dones_mid_rollout(lean):
-    g = torch.Generator().manual_seed(3)
-    steps, envs = 32, 3
-    rewards = torch.randn(steps, envs, generator=g)
-    values = torch.randn(steps, envs, generator=g)
+    g, steps, envs = torch.Generator().manual_seed(3), 32, 3
+    rewards, values = torch.randn(steps, envs, generator=g), torch.randn(steps, envs, generator=g)
     dones = torch.zeros(steps, envs)
     dones[[5, 6, 17, 30], [0, 0, 1, 2]] = 1.0  # two in a row: a reset step right after a done
     next_value, next_done = torch.randn(envs, generator=g), torch.tensor([0.0, 1.0, 0.0])
@@ -192,8 +178,7 @@ def test_gae_matches_cleanrl_loop_with_dones_mid_rollout(lean):
     # The lean script's convention: dones[t] says that the episode ended AT step t.
     shifted = torch.cat([dones[1:], next_done.unsqueeze(0)])
     got = lean.make_gae(0.99, 0.95)(rewards, values, shifted, next_value)
-    torch.testing.assert_close(got[0], expected[0])
-    torch.testing.assert_close(got[1], expected[1])
+    torch.testing.assert_close(got, expected)
     # No bootstrap across a done: the step that ended an episode sees only its own reward.
     assert got[0][4, 0] == pytest.approx(rewards[4, 0] - values[4, 0])
 
@@ -218,23 +203,16 @@ def test_policy_samples_the_categorical_it_reports(lean):
 
 
 def other_agent(lean):
-    """The lean Agent as a researcher might change it: two convolutions of other widths, Tanh
-    for ReLU, an extra Linear layer, and heads of another width (forward: the script's own)."""
+    """Agent changed: other convolution widths, Tanh, an extra Linear layer, heads of another width."""
 
     class OtherAgent(lean.Agent):
         def __init__(self, n_act, device=None):
             super().__init__(n_act, device)
             self.network = nn.Sequential(
-                nn.Conv2d(4, 16, 8, stride=4, device=device),
-                nn.Tanh(),
-                nn.Conv2d(16, 32, 4, stride=2, device=device),
-                nn.Tanh(),
-                nn.Flatten(),
-                nn.Linear(32 * 9 * 9, 256, device=device),
-                nn.Tanh(),
-                nn.Linear(256, 128, device=device),
-                nn.ReLU(),
-            )
+                nn.Conv2d(4, 16, 8, stride=4, device=device), nn.Tanh(), nn.Conv2d(16, 32, 4, stride=2, device=device),
+                nn.Tanh(), nn.Flatten(), nn.Linear(32 * 9 * 9, 256, device=device), nn.Tanh(),
+                nn.Linear(256, 128, device=device), nn.ReLU(),
+            )  # fmt: skip
             self.actor = nn.Linear(128, n_act, device=device)
             self.critic = nn.Linear(128, 1, device=device)
 
@@ -243,9 +221,8 @@ def other_agent(lean):
 
 @pytest.mark.parametrize("num_seeds", [1, 3])
 def test_a_changed_network_acts_as_the_module_does(lean, monkeypatch, num_seeds):
-    """The policy derived from a changed Agent gives each seed's block that seed's value, and the
-    action and log-probability of its logits under the same Gumbel noise: bit for bit for one seed,
-    float32 default tolerance stacked (grouped convolutions). Atari has no numpy acting."""
+    """The policy of a changed Agent gives each seed's value, and its logits' action and log-probability under the same
+    Gumbel noise: bit for bit for one seed (stacked: grouped convolutions). Atari has no numpy acting."""
     monkeypatch.setattr(lean, "Agent", other_agent(lean))
     torch.manual_seed(0)
     agents = [lean.Agent(4) for _ in range(num_seeds)]
@@ -255,7 +232,7 @@ def test_a_changed_network_acts_as_the_module_does(lean, monkeypatch, num_seeds)
         torch.manual_seed(1)
         action, logprob, value = policy(obs)
         logits, expected_value = (
-            torch.cat(x) for x in zip(*(a(block) for a, block in zip(agents, obs.view(num_seeds, 5, 4, 84, 84))))
+            torch.cat(x) for x in zip(*map(lambda a, o: a(o), agents, obs.view(num_seeds, 5, 4, 84, 84)))
         )
         torch.manual_seed(1)
         expected_action = (logits - (-torch.rand_like(logits).log()).log()).argmax(1)
@@ -268,9 +245,9 @@ def test_a_changed_network_acts_as_the_module_does(lean, monkeypatch, num_seeds)
 
 
 @pytest.mark.parametrize("num_seeds", [1, 2])
-def test_a_changed_network_trains_each_seed_on_its_own(lean, monkeypatch, tmp_path, num_seeds):
-    """The update derived from a changed Agent takes, per seed, the step its own unstacked update takes
-    (one seed bit for bit, two within 1e-5/1e-6), and a --num-seeds run saves each seed's changed agent."""
+def test_a_changed_network_trains_each_seed_on_its_own(lean, monkeypatch, tmp_path, capsys, num_seeds):
+    """The update of a changed Agent takes each seed's own unstacked step (one seed bit for bit), and a --num-seeds run
+    saves each seed's changed agent."""
     monkeypatch.setattr(lean, "Agent", other_agent(lean))
     torch.manual_seed(0)
     args = lean.Args(max_grad_norm=0.05)
@@ -289,15 +266,13 @@ def test_a_changed_network_trains_each_seed_on_its_own(lean, monkeypatch, tmp_pa
         torch.testing.assert_close(metrics[k], update(*batches[k], idx[k]), **exact)
         assert_same_parameters(agent, stacked_agents[k], **exact)
         assert not torch.equal(agent.network[0].weight, agents[k].network[0].weight)  # the step moved it
-
-    assert main_in_process(lean, "--num-seeds", num_seeds, "--save-model", tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
-    saved = [torch.load(path, weights_only=True)["model"]["agent"] for path in sorted(tmp_path.glob("runs/*/*.pt"))]
-    assert len(saved) == num_seeds and all(s["network.7.weight"].shape == (128, 256) for s in saved)
+    options = dict(tmp_path=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    _, saved = trained_checkpoints(lean, "--num-seeds", num_seeds, **options)
+    assert len(saved) == num_seeds and all(s["agent"]["network.7.weight"].shape == (128, 256) for s in saved)
 
 
 class ScriptedAtari(gym.vector.VectorEnv):
-    """Replays a script of envpool-shaped steps: (reward, terminated, truncated, lives,
-    info terminated) per env. Raw rewards are 10x the clipped ones, to tell them apart."""
+    """Replays envpool-shaped steps: (reward, terminated, truncated, lives, game over) per env; raw rewards 10x."""
 
     def __init__(self, script):
         self.script = script
@@ -314,24 +289,15 @@ class ScriptedAtari(gym.vector.VectorEnv):
         rows = self.script[self.t]
         self.t += 1
         raw = np.array([r[0] for r in rows], dtype=np.float32)
-        infos = {
-            "reward": raw * 10,
-            "lives": np.array([r[3] for r in rows], dtype=np.int32),
-            "terminated": np.array([r[4] for r in rows], dtype=np.int32),
-        }
-        return (
-            np.zeros((self.num_envs, 4, 84, 84), np.uint8),
-            np.sign(raw),
-            np.array([r[1] for r in rows]),
-            np.array([r[2] for r in rows]),
-            infos,
-        )
+        column = lambda i, dtype=None: np.array([r[i] for r in rows], dtype=dtype)
+        infos = {"reward": raw * 10, "lives": column(3, np.int32), "terminated": column(4, np.int32)}
+        return np.zeros((self.num_envs, 4, 84, 84), np.uint8), np.sign(raw), column(1), column(2), infos
 
 
 @pytest.mark.parametrize("script", PAIR, ids=lambda s: s.stem)
 def test_returns_count_whole_games_over_lives(script):
-    """Lost lives end episodes but not the game: a game's raw return over all its lives is charted
-    once, when envpool says it is over; a truncation ends the game too (leanrl_utils' `Run.episodes`)."""
+    """Lost lives end episodes, not the game: its raw return over all lives is charted once, when envpool says the game
+    is over; a truncation ends the game too (leanrl_utils' `Run.episodes`)."""
     assert load_script(script).vector.envpool_envs is leanrl_utils.vector.envpool_envs
     #        (reward, terminated, truncated, lives, game over)
     steps = [
@@ -358,13 +324,10 @@ def test_returns_count_whole_games_over_lives(script):
     ]
 
 
-# Per minibatch, the log-ratio both scripts are made to see; approx_kl = exp(c) - 1 - c. With
-# --target-kl 0.01 and 2 minibatches per epoch: iteration 1 sees 0.050, 0.001 (the epoch's mean
-# is over the target, its last minibatch is not: go on), then 0.001, 0.021 (stop after 4
-# updates); iteration 2 sees 0.001, 0.015 (the mean is under the target, the last is over: stop
-# after 2). The epoch mean would give 2 + 2 updates, no check 16.
-LOGRATIOS = [0.3, 0.045, 0.045, 0.2, 0.045, 0.17]
-TARGET_KL = 0.01
+# The log-ratio per minibatch (approx_kl = exp(c) - 1 - c), --target-kl 0.01, 2 minibatches an epoch: iteration 1 sees
+# 0.050, 0.001 (the mean is over the target, the last is not: go on), 0.001, 0.021 (stop after 4 updates); iteration 2
+# 0.001, 0.015 (stop after 2). The epoch mean would give 2 + 2 updates, no check 16.
+LOGRATIOS, TARGET_KL = [0.3, 0.045, 0.045, 0.2, 0.045, 0.17], 0.01
 
 
 def approx_kl(c):
@@ -373,14 +336,14 @@ def approx_kl(c):
 
 
 def test_target_kl_stops_both_scripts_at_the_same_epoch(plain, lean, monkeypatch, tmp_path, capsys):
-    """Both scripts, fed the same approx_kl per minibatch, stop at the same epoch, on the LAST
-    minibatch's approx_kl checked after each epoch, and log that last minibatch's value."""
+    """Fed the same approx_kl per minibatch, both scripts stop at the epoch whose LAST minibatch's exceeds it, and log
+    that value."""
     monkeypatch.chdir(tmp_path)
     args = dict(TINY_ARGS, update_epochs=4, target_kl=TARGET_KL)
     expected = [(4, approx_kl(0.2)), (6, approx_kl(0.17))]  # (updates, logged approx_kl) per iteration
 
-    # plain: the rollout's log-probabilities are 0, each minibatch's new ones the scripted ratio
-    feed = iter(LOGRATIOS + [0.0] * 16)
+    # plain: the rollout's log-probabilities are 0, each minibatch's new ones the scripted ratio; lean: the same approx_kl
+    feed, lean_feed = iter(LOGRATIOS + [0.0] * 16), iter(LOGRATIOS + [0.0] * 16)
     get_action_and_value = plain.Agent.get_action_and_value
 
     def scripted(self, x, action=None):
@@ -389,9 +352,6 @@ def test_target_kl_stops_both_scripts_at_the_same_epoch(plain, lean, monkeypatch
         return out_action, logprob, entropy, value
 
     monkeypatch.setattr(plain.Agent, "get_action_and_value", scripted)
-
-    # lean: an update that returns the same approx_kl
-    lean_feed = iter(LOGRATIOS + [0.0] * 16)
 
     def scripted_make_update(agent, optimizer, args, *rest):
         def update(*batch):
@@ -402,16 +362,11 @@ def test_target_kl_stops_both_scripts_at_the_same_epoch(plain, lean, monkeypatch
         return update
 
     monkeypatch.setattr(lean, "make_update", scripted_make_update)
-    log = leanrl_utils.Run.log  # shared by both scripts: patched anew for each
-    for module in (plain, lean):
-        logged = []
-
-        def recording_log(self, step, updates, metrics, networks, logged=logged):
-            logged.append((updates, metrics["losses/approx_kl"]))
-            return log(self, step, updates, metrics, networks)
-
-        monkeypatch.setattr(leanrl_utils.Run, "log", recording_log)
-        module.main(module.Args(**args))
+    for module in (plain, lean):  # Run.log, shared by both scripts, patched anew for each
+        with monkeypatch.context() as patch:
+            logged = spy(patch, leanrl_utils.Run, "log", lambda out, self, step, updates, metrics, nets: (
+                updates, metrics["losses/approx_kl"]))  # fmt: skip
+            module.main(module.Args(**args))
         assert [u for u, _ in logged] == [u for u, _ in expected], module.__name__
         assert [kl for _, kl in logged] == pytest.approx([kl for _, kl in expected], rel=1e-5), module.__name__
     summaries = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
@@ -426,8 +381,7 @@ def test_missing_envpool_is_one_line_naming_the_extra(script, workdir):
 
 @pytest.mark.parametrize("script", PAIR, ids=lambda s: s.stem)
 def test_capture_video_records_env_0(script, workdir):
-    """envpool has no gymnasium RecordVideo: the scripts render env 0 themselves. The tiny run
-    ends mid-game, so the first game's video is written when the envs close."""
+    """envpool has no RecordVideo: the scripts render env 0; the tiny run ends mid-game, written as the envs close."""
     pytest.importorskip("moviepy")
     summary, _ = run_script(script, *TINY["ppo_atari_envpool"], "--capture-video", cwd=workdir)
     videos = list(Path(workdir, "videos").rglob("*.mp4"))

@@ -1,7 +1,6 @@
-"""PPO pair (continuous actions), its own behaviours: the lean script's batched normalization against
-the plain script's per-env wrappers, the Gaussian policy, every form of the networks derived from the
-module (also once it is changed), and checkpoints that carry the observation statistics across the
-pair. What both gym PPO pairs share is in test_ppo_family.py."""
+"""PPO pair (continuous actions), its own behaviours: batched normalization against the plain per-env wrappers, the
+Gaussian policy, every derived form of the networks (also changed), checkpoints carrying the observation statistics
+across the pair. Shared: test_ppo_family.py."""
 
 import gymnasium as gym
 import numpy as np
@@ -18,8 +17,7 @@ BOTH = pair(FAMILY)
 
 
 class ScriptedEnv(gym.Env):
-    """Observations and rewards (some beyond the clips) and episode ends of both kinds (one step in
-    eight) from the reset seed alone, whatever the actions; it keeps the actions it receives."""
+    """Obs and rewards (some beyond the clips) and both kinds of episode end from the reset seed alone; keeps actions."""
 
     observation_space = gym.spaces.Box(-np.inf, np.inf, (5,), np.float64)
     action_space = gym.spaces.Box(-1.0, np.array([1.0, 0.5], dtype=np.float32), (2,), np.float32)
@@ -47,10 +45,8 @@ gym.register("LeanRLScripted-v0", entry_point=ScriptedEnv)
 
 @pytest.mark.parametrize("num_envs", [1, 3])
 def test_normalization_is_the_plain_wrappers(plain, lean, num_envs):
-    """The plain script's per-env wrappers and the lean `Normalization` give the same normalized
-    observations, rewards, clipped actions and final statistics. Normalized values: float32 of the same
-    float64 math (1e-6); statistics rtol 1e-12, the variance 1e-8 (gymnasium's first update computes
-    `var * count` in float32: a relative 3e-9 in the prior's weight of 1e-4)."""
+    """The plain per-env wrappers and the lean `Normalization` give the same normalized obs, rewards, clipped actions
+    and statistics (values 1e-6; statistics 1e-12, the variance 1e-8: gymnasium's first update is float32)."""
     args = lean.Args(env_id="LeanRLScripted-v0", num_envs=num_envs)
     plain_envs = plain.make_envs(args, "plain", num_envs)
     lean_envs = lean.make_envs(args, "lean", num_envs)
@@ -80,18 +76,13 @@ def test_normalization_is_the_plain_wrappers(plain, lean, num_envs):
     for i, env in enumerate(plain_envs.envs):
         while not isinstance(env, gym.wrappers.NormalizeObservation):
             if isinstance(env, gym.wrappers.NormalizeReward):
-                torch.testing.assert_close(
-                    torch.as_tensor(norm.ret_var[i]),
-                    torch.tensor(env.return_rms.var, dtype=torch.float64).reshape(()),
-                    rtol=1e-12,
-                    atol=0,
-                )
+                expected = torch.tensor(env.return_rms.var, dtype=torch.float64).reshape(())
+                torch.testing.assert_close(torch.as_tensor(norm.ret_var[i]), expected, rtol=1e-12, atol=0)
             env = env.env
         torch.testing.assert_close(state["mean"][i], torch.as_tensor(env.obs_rms.mean), rtol=1e-12, atol=0)
         torch.testing.assert_close(state["var"][i], torch.as_tensor(env.obs_rms.var), rtol=1e-8, atol=0)
         assert state["count"][i].item() == pytest.approx(env.obs_rms.count, rel=1e-12)
-    plain_envs.close()
-    lean_envs.close()
+    plain_envs.close(), lean_envs.close()
 
 
 def test_normalization_loads_fewer_envs_and_freezes(lean):
@@ -116,7 +107,7 @@ def test_normalization_loads_fewer_envs_and_freezes(lean):
 @pytest.mark.parametrize("host", [True, False], ids=["numpy", "torch"])
 def test_policy_acts_from_the_agent_and_sees_every_update(lean, host):
     """Both acting paths give the critic's values and a Gaussian action around the actor's mean with its
-    log-probability, from the agent's current weights (an in-place change is seen at once)."""
+    log-probability, at the agent's current weights."""
     torch.manual_seed(0)
     agent = lean.Agent(5, 3)
     agent.actor_logstd.data.fill_(-0.5)
@@ -148,9 +139,8 @@ def module_acting(agents, obs):
 @pytest.mark.parametrize("num_seeds", [1, 3], ids=["1seed", "3seeds"])
 @pytest.mark.parametrize("host", [True, False], ids=["numpy", "torch"])
 def test_changed_network_is_followed_by_every_derived_form(lean, host, num_seeds):
-    """With Agent's networks changed, the numpy and torch policies, one seed or stacked, give each seed's
-    values and actions (its mean and log-std, the policy's own noise replayed) with their densities, also
-    after an in-place step. One seed in torch: bit for bit; else 1e-5 (log-probabilities 1e-4)."""
+    """With Agent changed, both policies, one seed or stacked, give each seed's values and actions (its own noise
+    replayed) with their densities, also after an in-place step. One seed in torch: bit for bit."""
     torch.manual_seed(0)
     agents = [changed_agent(lean)(6, 2) for _ in range(num_seeds)]
     for k, agent in enumerate(agents):
@@ -172,8 +162,8 @@ def test_changed_network_is_followed_by_every_derived_form(lean, host, num_seeds
 
 
 def test_changed_network_acts_as_the_module_in_a_whole_run(lean, monkeypatch, tmp_path):
-    """A 2-seed run with a changed Agent: every (numpy) policy call gives each seed's changed critic's
-    value and its Gaussian's log-probability at its current weights; each checkpoint holds the change."""
+    """A 2-seed run with a changed Agent: every (numpy) policy call gives each seed's changed critic's value and its
+    Gaussian's log-probability at its current weights; each checkpoint holds the change."""
     make_policy, weights = lean.make_policy, []
 
     def checked_make_policy(agent, params, num_seeds, host, seed=0):
@@ -208,8 +198,8 @@ def test_changed_network_acts_as_the_module_in_a_whole_run(lean, monkeypatch, tm
 
 
 def test_checkpoints_carry_observation_statistics_across_the_pair(workdir):
-    """Each script's checkpoint holds the agent and the observation statistics as tensors, under the same
-    names; either script evaluates either checkpoint to the same return."""
+    """Each script's checkpoint holds the agent and observation statistics as tensors, under the same names; either
+    script evaluates either checkpoint to the same return."""
     saved, evaluate = {}, [*TINY[FAMILY], "--total-timesteps", "0", "--eval-episodes", "2"]
     for path in BOTH:
         summary, _ = run_script(path, *TINY[FAMILY], "--save-model", cwd=workdir)
