@@ -1,6 +1,5 @@
-"""Shared helpers for the script tests: run a script as a subprocess, read its summary line,
-import a script as a module (for the numerics tests), list scripts by glob, and run a plain
-script and its lean twin in this process on the same random draws (the whole-run tests)."""
+"""Shared helpers: run a script (subprocess or in process), read its summary, import it as a module, list scripts by
+glob, and run a plain script and its lean twin on the same random draws."""
 
 import copy
 import importlib.util
@@ -23,8 +22,7 @@ import leanrl_utils
 for _module in pkgutil.iter_modules(leanrl_utils.__path__):
     importlib.import_module(f"leanrl_utils.{_module.name}")
 
-# One intra-op thread in each test process too: pytest-xdist runs a worker per core, and
-# OpenMP's spinning threads beside another busy process stall small ops tenfold.
+# One intra-op thread in each test process too: OpenMP's spinning threads beside another busy worker stall tenfold.
 torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,16 +37,12 @@ def scripts(pattern):
 
 
 def script_env(**extra):
-    """The environment a script runs in: one intra-op thread, as in the benchmark (the networks are
-    too small for a second one to pay on 2 cores, and beside any other process OpenMP's spinning
-    threads stall, 10x slower), unbuffered output, wandb off."""
+    """A script's environment: one intra-op thread (as the benchmark runs), unbuffered output, wandb off."""
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", **extra}
 
 
 def run_script(script, *args, cwd, timeout=600, env=None, check=True):
-    """Run a script in a subprocess; return (summary dict or None, CompletedProcess).
-
-    The summary is the last stdout line, which every script prints as one JSON object."""
+    """Run a script in a subprocess; return (its summary, the last stdout line as a dict or None; the CompletedProcess)."""
     command = [sys.executable, str(script), *map(str, args)]
     proc = subprocess.run(command, cwd=cwd, env=script_env(**(env or {})), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
@@ -63,23 +57,21 @@ def last_summary(stdout):
 
 
 def script_command(script, before="", after=""):
-    """The command that runs `script` as __main__ (its arguments go after it) in a Python that
-    runs the source `before` first and `after` once the script returns."""
+    """The command running `script` as __main__ with the Python source `before` first and `after` once it returns."""
     run = "import runpy, sys\nsys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')"
     return [sys.executable, "-c", f"{before}\n{run}\n{after}", str(script)]
 
 
 def start_script(script, cwd, *argv, before=None, **popen):
-    """The script in the background (stdout and stderr piped, as text); `before`: Python source its
-    process runs first."""
+    """The script in the background (stdout and stderr piped, text); `before`: source its process runs first."""
     command = script_command(script, before=before) if before else [sys.executable, str(script)]
     options = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
     return subprocess.Popen([*command, *map(str, argv)], cwd=cwd, env=script_env(), **options)
 
 
 def signal_at_step(at, times=1, signum=signal.SIGTERM, where="gymnasium.wrappers:RecordEpisodeStatistics"):
-    """Python source that sends `signum` to the script's own process at the `at`-th call of `step` of the
-    class `where` ("module:Class"; by default one env's step), `times` times 1 ms apart."""
+    """Python source sending `signum` to the script's own process at the `at`-th call of `step` of `where`
+    ("module:Class"; by default one env's step), `times` times 1 ms apart."""
     module, name = where.split(":")
     return f"""
 import importlib, os, time
@@ -96,9 +88,8 @@ _class.step = step
 
 
 def start_long_run(script, workdir, *extra, before=None):
-    """The script at its tiny settings but `extra` and no budget of its own, in the background;
-    `before`: Python source that its process runs first. A shell without job control starts
-    background jobs with SIGINT ignored: the script gets the default disposition, as in a terminal."""
+    """The script at its tiny settings but `extra` and no budget, in the background, SIGINT at its default disposition
+    (a shell without job control starts background jobs with it ignored)."""
     argv = tiny(script, *extra, total_timesteps=None)
     return start_script(script, workdir, *argv, before=before, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
@@ -113,8 +104,7 @@ def wait_for(proc, text, timeout=180):
 
 
 def stop_and_read(proc, signum, seen, send=True):
-    """Send `signum` (or, with send=False, wait for the one the script sends itself); the exit
-    status it stands for, no traceback; returns the summary."""
+    """Send `signum` (send=False: wait for the script's own); the exit status it stands for, no traceback; the summary."""
     if send:
         proc.send_signal(signum)
     stdout, stderr = proc.communicate(timeout=120)
@@ -143,8 +133,7 @@ def run_without(module, script, *args, cwd):
 
 
 def error_line(err, *words):
-    """Of stderr `err`: its one line starting with 'error:', which names `words` (any case); no
-    traceback. Returns the line."""
+    """Of stderr `err`: its one line starting with 'error:', naming `words` (any case), and no traceback."""
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in err, err
     for word in words:
@@ -163,8 +152,7 @@ def refused_call(capsys, call, *args, words=(), **kwargs):
 
 
 def assert_one_line_error(proc, *words, code=None):
-    """Bad input: non-zero exit (`code` if given), one line on stderr starting with 'error:', no
-    traceback."""
+    """Non-zero exit (`code` if given), one `error:` line naming `words`, no traceback; returns the line."""
     assert proc.returncode != 0 if code is None else proc.returncode == code, (proc.returncode, proc.stderr)
     return error_line(proc.stderr, *words)
 
@@ -187,8 +175,7 @@ def load_script(path):
 
 
 def main_in_process(module, *argv, tmp_path, monkeypatch):
-    """A script module's main at its tiny settings plus `argv`, in this process, from tmp_path;
-    returns the exit code (0 when it ran through)."""
+    """A script module's main at its tiny settings plus `argv`, in this process, from tmp_path; its exit code."""
     monkeypatch.chdir(tmp_path)
     import tyro
 
@@ -201,8 +188,7 @@ def main_in_process(module, *argv, tmp_path, monkeypatch):
 
 
 def trained_checkpoints(module, *argv, tmp_path, monkeypatch, capsys):
-    """main_in_process with `argv` and --save-model runs through; returns its summary and every checkpoint's model
-    (each weight finite)."""
+    """main_in_process with `argv` and --save-model runs through; its summary and every checkpoint's (finite) model."""
     assert main_in_process(module, *argv, "--save-model", tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
     models = [torch.load(path, weights_only=True)["model"] for path in sorted(tmp_path.glob("runs/*/*.pt"))]
     assert all(torch.isfinite(t).all() for model in models for net in model.values() for t in net.values())
@@ -210,8 +196,7 @@ def trained_checkpoints(module, *argv, tmp_path, monkeypatch, capsys):
 
 
 def refused_in_process(module, *argv, tmp_path, monkeypatch, capsys, words=()):
-    """main_in_process with `argv` ends with exit 2, one `error:` line naming `words`, no traceback
-    and nothing on stdout. Returns the line."""
+    """main_in_process with `argv` exits 2 with one `error:` line naming `words`, nothing on stdout; the line."""
     code = main_in_process(module, *argv, tmp_path=tmp_path, monkeypatch=monkeypatch)
     out, err = capsys.readouterr()
     assert code == 2 and out.strip() == "", (code, out, err)
@@ -219,8 +204,7 @@ def refused_in_process(module, *argv, tmp_path, monkeypatch, capsys, words=()):
 
 
 def short_env(env_id, max_episode_steps):
-    """The id of a registered copy of gymnasium's `env_id` with a shorter time limit, so that
-    short runs see episodes truncated (and, with random play, terminated)."""
+    """The id of a registered copy of gymnasium's `env_id` with a shorter time limit."""
     import gymnasium as gym
 
     spec = gym.spec(env_id)
@@ -231,15 +215,13 @@ def short_env(env_id, max_episode_steps):
 
 
 def shuffle_as_lean(x):
-    """np.random.shuffle for a plain script, with the order torch.randperm draws, as its lean
-    twin draws a minibatch order."""
+    """np.random.shuffle drawing the order torch.randperm draws, as the lean twin draws its minibatches."""
     x[:] = torch.randperm(len(x)).numpy()
 
 
 class TorchDrawingAsLean:
-    """torch for a plain PQN script, but for its per-step epsilon-greedy draws: at a rollout's
-    first step it draws the whole rollout's uniforms and random actions as the lean script's
-    `draw_exploration` does (two calls, in its order), then serves them one step at a time."""
+    """torch for a plain PQN script, its epsilon-greedy draws made as the lean `draw_exploration` makes them: the whole
+    rollout's uniforms and random actions at its first step, served one step at a time."""
 
     def __init__(self, num_steps):
         self.num_steps, self.step = num_steps, 0
@@ -259,10 +241,8 @@ class TorchDrawingAsLean:
 
 
 class NumpyDrawingAsLean:
-    """numpy for a plain script, with its random draws taken from torch's stream in the order
-    its lean twin draws them: each minibatch's row indices as the device buffers' `sample` draws
-    them, and (DQN) every `draw_steps` steps the block of epsilon-greedy uniforms and of random
-    actions that `draw_exploration` draws, served one step at a time."""
+    """numpy for a plain script, drawing from torch's stream as its lean twin does: minibatch rows as the device buffers'
+    `sample`, and (DQN) blocks of `draw_steps` steps' epsilon-greedy uniforms and random actions as `draw_exploration`."""
 
     def __init__(self, draw_steps=None):
         self.random = self.Random(draw_steps)
@@ -292,38 +272,31 @@ class NumpyDrawingAsLean:
 
 
 def atari_batch(n, seed, *fields, n_act=4):
-    """A flat rollout batch of Atari frames as a lean script feeds its update: frames, actions,
-    `fields` (each drawn by a function of the size and the generator) and valid, about 1 step in 8
-    a reset step (valid 0)."""
+    """A flat rollout batch of Atari frames: frames, actions, `fields` (each drawn by a function of the size and the
+    generator) and valid, about 1 step in 8 a reset step (valid 0)."""
     g = torch.Generator().manual_seed(seed)
     frames = torch.randint(0, 256, (n, 4, 84, 84), dtype=torch.uint8, generator=g)
     actions = torch.randint(0, n_act, (n,), generator=g)
     return (frames, actions, *(draw(n, g) for draw in fields), (torch.rand(n, generator=g) > 0.125).float())
 
 
-def assert_dqn_step_is_the_plain_step(metrics, nets, optimizer, batch, gamma, seed_net, tolerance, msg=""):
-    """The plain DQN scripts' step as written in their loops, on one seed's batch (obs, actions,
-    next_obs, rewards, dones) with its Q-network and target `nets`: the lean update's metrics
-    (td_loss, q_values) and that seed's parameters after it are the step's loss, mean Q and
-    parameters, within `tolerance`."""
+def assert_dqn_step_is_the_plain_step(metrics, nets, optimizer, batch, gamma, seed_net, tolerance):
+    """The plain DQN step as in the scripts' loops, on one seed's batch (obs, actions, next_obs, rewards, dones) and
+    `nets` (Q-network, target): the lean metrics (td_loss, q_values) and that seed's parameters after it match it."""
     (q_ref, target_ref), (obs, actions, next_obs, rewards, dones) = nets, batch
     with torch.no_grad():
-        target_max, _ = target_ref(next_obs).max(dim=1)
-        td_target = rewards + gamma * target_max * (1 - dones)
+        td_target = rewards + gamma * target_ref(next_obs).max(dim=1).values * (1 - dones)
     old_val = q_ref(obs).gather(1, actions.unsqueeze(1)).squeeze(1)
     loss = torch.nn.functional.mse_loss(td_target, old_val)
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
-    torch.testing.assert_close(metrics[0], loss.detach(), **tolerance)
-    torch.testing.assert_close(metrics[1], old_val.mean().detach(), **tolerance)
-    for name, value in q_ref.state_dict().items():
-        torch.testing.assert_close(seed_net.state_dict()[name], value, **tolerance, msg=f"{msg}{name}")
+    torch.testing.assert_close(metrics, torch.stack([loss, old_val.mean()]).detach(), **tolerance)
+    torch.testing.assert_close(seed_net.state_dict(), q_ref.state_dict(), **tolerance)
 
 
 def dqn_learner(lean, nets, targets, storage, gamma=0.99, learning_rate=2.5e-4):
-    """A lean DQN script's set-up over copies of `nets` and `targets` (one seed: a stack of one): stacked
-    parameters, one functional Adam, the update over `storage`; returns (nets, params, target_params, update)."""
+    """A lean DQN script's set-up over copies of `nets` and `targets`: (nets, params, target_params, update)."""
     nets, targets = copy.deepcopy(nets), copy.deepcopy(targets)
     params, target_params = leanrl_utils.seeds.stack(nets), leanrl_utils.seeds.stack(targets)
     optimizer = leanrl_utils.optimizers.Adam(params.items(), learning_rate)
@@ -332,12 +305,9 @@ def dqn_learner(lean, nets, targets, storage, gamma=0.99, learning_rate=2.5e-4):
 
 
 def build_plain_targets_too(lean, monkeypatch, targets):
-    """The plain SAC and TD3 scripts build their target networks as modules, whose initial
-    weights (overwritten by copies at once) draw from torch's stream; the lean scripts clone
-    parameters, which draws nothing. So that the lean script's later draws meet the same
-    stream, its actor and two Q-networks (its first three networks, as in the plain script) are
-    followed by throwaway builds of the plain script's target networks: `targets`, class names
-    in the plain script's order."""
+    """The plain SAC and TD3 scripts build target networks as modules (drawing initial weights), the lean ones clone
+    parameters: the lean script's first three networks are followed by throwaway builds of `targets` (class names in
+    the plain script's order), so that its later draws meet the same stream."""
     originals = {name: getattr(lean, name) for name in set(targets) | {"Actor"}}
     built = []
 
@@ -359,42 +329,30 @@ def build_plain_targets_too(lean, monkeypatch, targets):
 
 
 def recorded_runs(modules, args, monkeypatch):
-    """Each script module's main with `args` (a dict of Args fields), one after the other in this
-    process with one intra-op thread (as the lean scripts set it; another count sums in another
-    order); returns per module the metrics of every log point and the final weights of the
-    networks its Run.finish saves, as "network.parameter" -> tensor."""
-    import leanrl_utils
-
-    threads, runs = torch.get_num_threads(), {}
-    log, finish = leanrl_utils.Run.log, leanrl_utils.Run.finish
+    """Each module's main with `args` (Args fields) in turn, in this process, one intra-op thread; per module, the
+    metrics of every log point and the final weights Run.finish saves ("network.parameter" -> tensor)."""
+    threads, runs = torch.get_num_threads(), []
     torch.set_num_threads(1)
     try:
-        for module in modules:
-            logged, final = [], {}
-
-            def recording_log(self, step, updates, metrics, networks, logged=logged):
-                logged.append({k: float(v) for k, v in metrics.items()})
-                return log(self, step, updates, metrics, networks)
-
-            def recording_finish(self, step, updates, networks, *rest, final=final, **fields):
-                final.update(
-                    {f"{name}.{k}": v.detach().clone() for name, net in networks.items() for k, v in net.state_dict().items()}
+        for module in modules:  # Run lives in leanrl_utils, shared by every script: patched anew for each module
+            with monkeypatch.context() as patch:
+                logged = spy(patch, leanrl_utils.Run, "log", lambda out, self, step, updates, metrics, nets: {
+                    k: float(v) for k, v in metrics.items()})  # fmt: skip
+                weights = lambda nets: {
+                    f"{name}.{k}": v.detach().clone() for name, n in nets.items() for k, v in n.state_dict().items()
+                }
+                final = spy(
+                    patch, leanrl_utils.Run, "finish", lambda out, self, step, updates, nets, *rest, **kw: weights(nets)
                 )
-                return finish(self, step, updates, networks, *rest, **fields)
-
-            # Run lives in leanrl_utils, shared by every script: patched anew for each module.
-            monkeypatch.setattr(leanrl_utils.Run, "log", recording_log)
-            monkeypatch.setattr(leanrl_utils.Run, "finish", recording_finish)
-            module.main(module.Args(**args))
-            runs[module] = logged, final
+                module.main(module.Args(**args))
+            runs.append((logged, final[-1]))
     finally:
         torch.set_num_threads(threads)
-    return [runs[module] for module in modules]
+    return runs
 
 
 def assert_same_run(plain_run, lean_run, names, metrics_abs=1e-6, weights_rtol=1e-4, weights_atol=1e-6):
-    """Two recorded runs (`recorded_runs`) log the same metrics `names` at every log point and
-    end with the same weights, within the given tolerances."""
+    """Two recorded runs log the same metrics `names` at every log point and end with the same weights."""
     (plain_logs, plain_final), (lean_logs, lean_final) = plain_run, lean_run
     assert len(plain_logs) == len(lean_logs) > 1
     assert any(name in log for log in lean_logs for name in names)
@@ -403,19 +361,12 @@ def assert_same_run(plain_run, lean_run, names, metrics_abs=1e-6, weights_rtol=1
             assert (name in p) == (name in q), (i, name)  # DQN logs no loss before learning starts
             if name in p:
                 assert q[name] == pytest.approx(p[name], rel=1e-5, abs=metrics_abs), (i, name)
-    assert plain_final.keys() == lean_final.keys()
-    for name in plain_final:
-        torch.testing.assert_close(
-            lean_final[name], plain_final[name], rtol=weights_rtol, atol=weights_atol, msg=lambda m, name=name: f"{name}: {m}"
-        )
+    torch.testing.assert_close(lean_final, plain_final, rtol=weights_rtol, atol=weights_atol)
 
 
 @pytest.fixture
 def inductor_fallback_random():
-    """Compiled code draws its random numbers from the eager stream, so eager and compiled
-    updates can be compared with the same noise. Inductor's own `config.patch`, not
-    monkeypatch: its config module keeps values behind __getattr__, which monkeypatch's undo
-    leaves unreadable for the next test."""
+    """Compiled code draws from the eager stream (inductor's own config.patch: monkeypatch's undo breaks its config)."""
     import torch._inductor.config
 
     with torch._inductor.config.patch(fallback_random=True):
@@ -437,9 +388,8 @@ def is_lean(script):
     return Path(script).stem.endswith("_torchcompile")
 
 
-# Tiny settings per family: each reaches the update and the logging at least twice within
-# seconds (compile aside), on a cheap env. Every script in leanrl/ must have an entry here.
-# CartPole PPO and PQN: 2 envs, 64 steps: 4 iterations of 4 minibatch updates, a log point after each.
+# Tiny settings per family (every script must have one): the update and a log point at least twice in seconds, on a
+# cheap env. CartPole PPO and PQN: 2 envs, 64 steps: 4 iterations of 4 minibatch updates, a log point after each.
 CARTPOLE_ROLLOUTS = "--total-timesteps 512 --num-envs 2 --num-steps 64 --num-minibatches 2 --update-epochs 2"
 # Atari PPO and PQN: 2 envs, 16 steps, 2 iterations (4 minibatch updates each).
 ATARI_ROLLOUTS = "--env-id Breakout-v5 --num-envs 2 --num-steps 16 --total-timesteps 64 --num-minibatches 2 --update-epochs 2"
@@ -450,7 +400,6 @@ TINY = {
         " --update-epochs 2",
         "ppo": CARTPOLE_ROLLOUTS,
         "pqn": CARTPOLE_ROLLOUTS,
-        # The lean torch-native twin makes 16 rollout calls of its default --unroll 4 per iteration.
         "pqn_torchenv": CARTPOLE_ROLLOUTS,
         "ppo_torchenv": CARTPOLE_ROLLOUTS,
         # Learning starts after step 64; 236 updates; logs at steps 100, 200 and 300.
@@ -459,12 +408,10 @@ TINY = {
         # Learning starts after step 32; 208 updates; logs at steps 100, 200 and 240.
         "td3_continuous_action": "--env-id Pendulum-v1 --total-timesteps 240 --learning-starts 32 --batch-size 16"
         " --buffer-size 1000",
-        # Learning starts at step 100; 75 updates (one per 4 steps); target copies every 50 steps;
-        # logs at steps 100, 200, 300 and 400.
+        # Learning starts at step 100; 75 updates; target copies every 50 steps; logs at steps 100, 200, 300, 400.
         "dqn": "--total-timesteps 400 --learning-starts 100 --batch-size 32 --buffer-size 500 --train-frequency 4"
         " --target-network-frequency 50",
-        # Atari: 2 envs; learning starts after step 100; 75 updates (one per 4 steps); target copies
-        # every 50 steps; a buffer of 100 rows per env, which wraps; logs at steps 100, 200, 300 and 400.
+        # Atari: 2 envs, as DQN's, and a buffer of 100 rows per env, which wraps.
         "dqn_atari_envpool": "--env-id Breakout-v5 --num-envs 2 --total-timesteps 400 --learning-starts 100"
         " --batch-size 32 --buffer-size 200 --target-network-frequency 50",
         "ppo_atari_envpool": ATARI_ROLLOUTS,
@@ -474,8 +421,7 @@ TINY = {
 
 
 def tiny(script, *argv, **flags):
-    """TINY's arguments for `script` (a path or a family), each of `flags` (total_timesteps=...)
-    set to its value, or left out where None, then `argv`."""
+    """TINY's arguments for `script` (a path or a family), `flags` set (None: left out), then `argv`."""
     out = list(TINY[family(script)])
     for name, value in flags.items():
         flag = "--" + name.replace("_", "-")
@@ -522,20 +468,15 @@ def either(request):
 
 
 def assert_refused_before_work(code, capsys, tmp_path, *words, started=False):
-    """One `error:` line naming `words`, exit 2, no traceback, no training and no summary; unless
-    `started`, no run folder either. Returns the line."""
+    """One `error:` line naming `words`, exit 2, no traceback, training or summary; unless `started`, no run folder."""
     out, err = capsys.readouterr()
-    assert code == 2, (code, err)
-    line = error_line(err, *words)
-    assert "sps=" not in err and out.strip() == "", (out, err)  # no training, no summary
-    if not started:
-        assert not (tmp_path / "runs").exists()  # nothing was set up
-    return line
+    assert code == 2 and "sps=" not in err and out.strip() == "", (code, out, err)  # no training, no summary
+    assert started or not (tmp_path / "runs").exists()  # nothing was set up
+    return error_line(err, *words)
 
 
 def stack_of_one(agent):
-    """One agent's parameters as a lean script holds them: a stack of one (the agent's own
-    parameters become views of it)."""
+    """One agent's parameters as a lean script holds them: a stack of one, the agent's own its views."""
     return leanrl_utils.seeds.stack([agent]).items()
 
 

@@ -1,7 +1,5 @@
-"""The benchmark's machinery: one tiny configuration end to end (runs, table, plot), and the
-pieces whose arithmetic or contract matters on their own (paired ratios, curves, ceilings,
-timeouts, the glob of families). Numbers are checked only where they are computed from inputs
-the test chose."""
+"""The benchmark's machinery: one tiny configuration end to end, and the pieces whose arithmetic or contract matters
+(paired ratios, curves, ceilings, timeouts, the glob of families), checked on inputs the test chose."""
 
 import json
 import math

@@ -1,6 +1,5 @@
-"""The replay buffers of the SAC and TD3 pairs (the plain scripts' own, the lean ones' leanrl_utils
-buffer) as their loops fill them through SAME_STEP autoresets: no transition spans an episode boundary,
-terminations apart from truncations, a ring that wraps, sampling of filled rows only."""
+"""The SAC and TD3 pairs' replay buffers as their loops fill them through SAME_STEP autoresets: no transition spans
+an episode boundary, terminations apart from truncations, a ring that wraps, only filled rows sampled."""
 
 import numpy as np
 import pytest
@@ -27,8 +26,8 @@ def stored(rb):
 
 
 def collect(module, env_id, num_envs, steps, buffer_size, stage_steps):
-    """Random actions through the script's own vector env and buffer, stored as main stores them;
-    returns the buffer and the (step, env, final obs, reset obs, terminated) of each episode end."""
+    """Random actions through the script's own envs and buffer; the buffer and each episode end's (step, env, final
+    obs, reset obs, terminated)."""
     envs = module.make_envs(module.Args(env_id=env_id, num_envs=num_envs), "test", num_envs)
     envs.action_space.seed(0)
     n_obs, n_act = envs.single_observation_space.shape[0], envs.single_action_space.shape[0]
@@ -57,9 +56,8 @@ def pendulum_step(obs, action):
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: s.stem)
 def test_buffer_never_spans_an_autoreset(script):
-    """Two Pendulum envs through two rounds of 200-step time limits: every stored transition obeys the
-    pendulum's dynamics (one from a final observation to a reset one would not), each last step stores
-    the final observation (not the reset one), and a truncation is stored as not done (bootstrapped)."""
+    """Two Pendulum envs through two time limits: every transition obeys the dynamics, each last step stores the final
+    observation, a truncation is not done."""
     num_envs, steps = 2, 450
     rb, ends = collect(load_script(script), "Pendulum-v1", num_envs, steps, steps * num_envs, stage_steps=7)
     assert [(step, i) for step, i, *_ in ends] == [(199, 0), (199, 1), (399, 0), (399, 1)]
@@ -80,9 +78,8 @@ def test_buffer_never_spans_an_autoreset(script):
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: s.stem)
 def test_buffer_keeps_terminations_apart_and_wraps(script):
-    """InvertedPendulum terminates when the pole falls: those rows store done 1 and the final
-    observation, every other row done 0; a ring of 7 rows (2 envs: the writes straddle its end) holds
-    the last 7 transitions in place, and a buffer samples only filled rows."""
+    """Terminations store done 1 and the final obs, other rows done 0; a ring of 7 rows holds the last 7 transitions;
+    only filled rows are sampled."""
     module = load_script(script)
     rb, ends = collect(module, "InvertedPendulum-v5", 2, 150, 300, stage_steps=7)
     data = stored(rb)

@@ -1,6 +1,5 @@
-"""leanrl_envs against gymnasium's own classic-control envs: transition by transition from the same
-states and actions, whole episodes under autoreset against RecordEpisodeStatistics, the reset
-draws, and the compiled step against the eager one."""
+"""leanrl_envs against gymnasium's classic-control envs: transitions from the same states and actions, whole episodes
+under autoreset, the reset draws, the compiled step."""
 
 import io
 
@@ -41,8 +40,7 @@ def sample_states(env_id, n, generator):
 
 
 def gym_step(env, physics, action, elapsed=0):
-    """One step of gymnasium's env (TimeLimit and all) from a given physical state and step count;
-    also the physical state it reached."""
+    """One step of gymnasium's env (TimeLimit and all) from a physical state and step count; also the state reached."""
     env.reset()
     env.unwrapped.state = physics.numpy().copy()
     env._elapsed_steps = elapsed
@@ -94,9 +92,7 @@ def test_transitions_match_gymnasium(env_id):
 
 @pytest.mark.parametrize("env_id", ENV_IDS)
 def test_flags_match_right_at_the_thresholds(env_id):
-    """Pairs of states a float64 ulp apart on either side of termination, found by bisecting with
-    gymnasium's step between a state that terminates and one that does not: float32 physics could
-    not even hold them apart, float64 gives gymnasium's flag on both sides."""
+    """States a float64 ulp either side of termination (bisected with gymnasium's step) get gymnasium's flags."""
     env, reference = leanrl_envs.make(env_id, 1), gym.make(env_id)
     physics = sample_states(env_id, 1000, torch.Generator().manual_seed(3))
     action = torch.zeros(1000, dtype=torch.int64)
@@ -144,10 +140,8 @@ def test_draws_are_uniform_bits():
 
 @pytest.mark.parametrize("env_id", ENV_IDS)
 def test_episodes_match_record_episode_statistics(env_id):
-    """Whole episodes under a fixed action sequence: each transition, each episode's end, return and
-    length as gymnasium's RecordEpisodeStatistics gives them, and the next episode's fresh start.
-    Before each step gymnasium's physics is set to ours: the float64 paths differ only in the last
-    bit of a sin or cos, but Acrobot is chaotic and would amplify that over an episode."""
+    """Whole episodes under fixed actions: transitions, ends, returns and lengths as RecordEpisodeStatistics gives
+    them, fresh starts (gymnasium's physics set to ours each step: Acrobot would amplify a last-bit difference)."""
     n = 2
     env = leanrl_envs.make(env_id, n)
     steps = 2 * env.max_episode_steps + 50  # MountainCar and most Acrobot episodes run to the time limit
@@ -181,8 +175,7 @@ def test_episodes_match_record_episode_statistics(env_id):
 
 @pytest.mark.parametrize("env_id", ENV_IDS)
 def test_compiled_step_matches_eager(env_id):
-    """fullgraph: no graph break and no host sync. Near the time limit, so that autoresets (and their
-    draws) happen inside the compared steps; the compiled float64 may round the last bit apart."""
+    """fullgraph (no graph break, no host sync), near the time limit so that autoresets happen in the compared steps."""
     n = 16
     env = leanrl_envs.make(env_id, n)
     state, _ = env.reset(seed=2)

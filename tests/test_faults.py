@@ -1,8 +1,6 @@
-"""Nothing lost, nothing silent (every script, from a glob): bad input ends in one `error:` line
-and exit status 2 before any training (flag rules, exp names, seeds below 2**31, --dist-timeout,
-open files for --num-seeds, malformed checkpoints), and a refusal leaves no run folder; SIGINT and
-SIGTERM save a finite checkpoint and print the summary; checkpoints load as tensors only; the
-plumbing lives once, in leanrl_utils."""
+"""Bad input (every script, from a glob) ends in one `error:` line and exit 2 before any work, leaving no run folder;
+SIGINT and SIGTERM save a finite checkpoint and print the summary; checkpoints load as tensors only; the plumbing
+lives once, in leanrl_utils."""
 
 import contextlib
 import importlib
@@ -143,8 +141,7 @@ def test_the_seed_limit_counts_seeds_envs_ranks_and_evaluation(world_size, monke
 
 @pytest.mark.parametrize("script", SEEDED, ids=lambda s: s.stem)
 def test_num_seeds_beyond_the_open_file_limit_is_refused_first(script, tmp_path, monkeypatch, capsys):
-    """Each seed's run folder holds files open (curve, events, ...): refused before any folder is
-    made or anything big allocated (a script's memory check may refuse first)."""
+    """Each seed holds files open: refused before any folder or big allocation (or by a script's memory check)."""
     with open_file_limit(1024):
         code = main_in_process(load_script(script), "--num-seeds", 100_000, tmp_path=tmp_path, monkeypatch=monkeypatch)
     assert_refused(code, capsys, "--num-seeds")
@@ -268,9 +265,8 @@ def test_a_file_that_is_not_this_pairs_checkpoint_is_one_line(script, tmp_path, 
 
 @pytest.mark.parametrize("script", ALL, ids=lambda s: s.stem)
 def test_only_finite_weights_are_saved(script, tmp_path, monkeypatch, capsys):
-    """The run's end keeps the current weights if finite, else the last finite ones seen at a log
-    point; with none, nothing is saved and a line says so. After a non-finite loss it keeps the
-    last good ones and exits 1."""
+    """The end keeps the current weights if finite, else the last finite ones of a log point, else saves nothing and
+    says so; after a non-finite loss it keeps the last good ones and exits 1."""
     monkeypatch.chdir(tmp_path)
     args = tiny_args(script, "--save-model")
     net = torch.nn.Linear(2, 2)
@@ -337,9 +333,8 @@ def test_signal_during_evaluation_still_prints_the_summary(script, signum, workd
 
 @pytest.mark.parametrize("script", PLAIN, ids=lambda s: s.stem)
 def test_ctrl_c_while_setting_up_is_an_interrupted_run(script, workdir):
-    """A Ctrl-C while the script builds its optimizer (after the run exists, before its loop) is
-    noted and acted on where the loop starts: summary, exit 130, no traceback, and no checkpoint
-    of weights that no update has changed."""
+    """A Ctrl-C while the optimizer is built (the run exists, its loop not yet) is acted on where the loop starts:
+    summary, exit 130, no traceback, no checkpoint of untrained weights."""
     before = (
         "import os, signal, torch.optim\n"
         "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
@@ -355,8 +350,7 @@ def test_ctrl_c_while_setting_up_is_an_interrupted_run(script, workdir):
 
 
 def test_no_script_writes_the_plumbing_again():
-    """What leanrl_utils holds (Run, the argument rules, checkpoints, optimizers, seed stacking,
-    env wrappers, torchrun helpers) is imported by the scripts, never defined in one of them."""
+    """What leanrl_utils holds (Run, rules, checkpoints, optimizers, seeds, env wrappers, ...) no script defines again."""
     import ast
 
     modules = [importlib.import_module(f"leanrl_utils.{m.name}") for m in pkgutil.iter_modules(leanrl_utils.__path__)]

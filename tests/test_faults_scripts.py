@@ -1,7 +1,5 @@
-"""Every script from a glob: a budget that trains nothing, evaluation only, rollout storage
-against memory, env ids that cannot be made, bad input and Ctrl-C under torchrun, Ctrl-C before
-the run exists, a PPO run that blows up. Each refusal is one `error:` line and exit status 2
-before any work: no run folder, no large allocation."""
+"""Every script from a glob: a budget that trains nothing, evaluation only, rollouts against memory, env ids that
+cannot be made, torchrun's bad input and Ctrl-C, Ctrl-C before the run, a PPO run that blows up."""
 
 import os
 import shlex
@@ -44,9 +42,8 @@ GYM = [s for s in ALL if s not in ATARI + TORCH_ENVS]
 
 
 def refused(script, *argv, tmp_path, monkeypatch, capsys):
-    """The script's main at its tiny settings plus `argv`, in this process, where starting the run
-    (Run, seed_runs) fails the test; returns the one `error:` line it ended with (exit 2), after
-    checking that nothing was set up, trained or allocated (peak memory within 1 GiB)."""
+    """The script's main in process at its tiny settings plus `argv` refused (exit 2, one line, returned) before its
+    Run exists and with peak memory within 1 GiB."""
     module = load_script(script)
 
     def started(*args, **kwargs):
@@ -61,8 +58,7 @@ def refused(script, *argv, tmp_path, monkeypatch, capsys):
 
 @pytest.mark.parametrize("script", OFF_POLICY, ids=lambda s: s.stem)
 def test_budget_that_ends_before_learning_starts_runs_with_a_notice(script, workdir):
-    """A smoke run (a few hundred steps, as install checks run) trains nothing: it runs, says so
-    in one line, and ends with its summary and exit 0."""
+    """A smoke run that trains nothing says so in one notice and ends with its summary and exit 0."""
     argv = tiny(script, total_timesteps=300, learning_starts=5000, eval_episodes=None)
     summary, proc = run_script(script, *argv, cwd=workdir)
     notices = [line for line in proc.stderr.splitlines() if "ends before learning starts" in line]
@@ -167,8 +163,7 @@ FIRST_LOG_STEP = {"ppo": 128, "ppo_continuous_action": 64, "ppo_atari_envpool": 
 
 @pytest.mark.parametrize("script", [s for s in ALL if family(s) in FIRST_LOG_STEP], ids=lambda s: s.stem)
 def test_non_finite_ppo_loss_stops_with_one_line_and_saves_no_broken_weights(script, workdir):
-    """A learning rate of 1e30 blows the first iteration's updates up: exit 1 after the summary,
-    one line naming the step, and no checkpoint (the weights were finite at no log point)."""
+    """A learning rate of 1e30: exit 1 after the summary, one line naming the step, no checkpoint."""
     args = [*TINY[family(script)], "--learning-rate", "1e30", "--save-model"]
     summary, proc = run_script(script, *args, cwd=workdir, check=False)
     assert_one_line_error(proc, "non-finite", f"at step {FIRST_LOG_STEP[family(script)]}")
@@ -194,8 +189,7 @@ def test_unknown_or_malformed_flag_keeps_tyros_box_as_the_readme_says(argv, work
     ids=["flag-rule", "batch-rule", "unknown-env"],
 )
 def test_bad_input_under_torchrun_is_one_line_from_rank_0(argv, words, workdir):
-    """Rank 0 reaches the same failure 3 s after rank 1 (a slow import, a busy host): torchrun ends
-    the group once a rank exits, so rank 1 must not exit first and cut rank 0's line."""
+    """Rank 0 fails 3 s after rank 1: rank 1 must not exit first and cut rank 0's line."""
     script = scripts("ppo_continuous_action_torchcompile.py")[0]
     slow_rank_0 = "import os, time\nif os.environ['LOCAL_RANK'] == '0': time.sleep(3)"
     proc = torchrun(script, *TINY[family(script)], *argv, cwd=workdir, before=slow_rank_0)
@@ -224,8 +218,7 @@ leanrl_utils.Run.checkpoint = forwarded
 
 
 def test_ctrl_c_to_the_torchrun_group_saves_and_exits_130(workdir):
-    """Ctrl-C in a terminal reaches torchrun and every rank: rank 0 saves, prints its summary, and
-    every rank exits 130 without a traceback (torchrun's own SignalException report aside)."""
+    """Ctrl-C to torchrun and every rank: rank 0 saves and prints its summary, every rank exits 130, no traceback."""
     script = LEAN_PPO[0]
     argv = tiny(script, "--save-model", total_timesteps=10_000_000)
     # Each rank's exit status goes to a file: torchrun reports none once it got a signal itself.

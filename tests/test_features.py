@@ -1,5 +1,5 @@
-"""Research features every script has: checkpoints (atomic, loadable across the pair),
-evaluation, offline tracking, video and CPU threads. Signals and bad input are in test_faults.py."""
+"""Research features every script has: checkpoints (atomic, loadable across the pair), evaluation, offline tracking,
+video, CPU threads."""
 
 import math
 import subprocess
@@ -31,9 +31,7 @@ def twin(script):
 
 @pytest.mark.parametrize("script", PLAIN, ids=lambda s: s.stem)
 def test_checkpoint_round_trip_across_the_pair(script, workdir):
-    """A checkpoint saved by one script of the pair (the lean one, plain for every other pair)
-    evaluates to the same return in both: the reloaded deterministic policy takes the same actions
-    on the same observations."""
+    """A checkpoint saved by one script of the pair evaluates to the same return in both."""
     trained_by = twin(script) if PLAIN.index(script) % 2 else script
     summary, _ = run_script(trained_by, *TINY[family(script)], "--save-model", cwd=workdir)
     path = Path(workdir) / summary["checkpoint"]

@@ -1,6 +1,4 @@
-"""The learning profile (`./run.sh --learning`): every pair is in it, the interval on the
-difference says what it should on differences the test chose, and one tiny profile runs end to
-end (runs, table, plot)."""
+"""The learning profile (`./run.sh --learning`): every pair in it, the interval on the difference, a tiny profile."""
 
 import json
 
@@ -78,9 +76,7 @@ def test_tiny_learning_profile_writes_table_and_plot(learning, tmp_path):
 
 
 def test_merge_makes_one_table_from_parts_and_takes_a_redone_run_from_the_last(learning, tmp_path, capsys):
-    """Seeds run in parts (two --out folders) merge into one table and plot; a run redone in a
-    later folder replaces the earlier one, counted once; a pair at two budgets, a folder without
-    results or a run option beside --merge is one line and exit status 2."""
+    """Parts merge into one table and plot, a redone run replacing the earlier; bad merges are one line, exit 2."""
     parts = []
     for part, seeds in enumerate(([1, 2], [3])):
         folder = tmp_path / f"part{part}"

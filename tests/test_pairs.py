@@ -1,5 +1,5 @@
-"""What every pair has, one table each: given the same random draws the plain script and its lean twin
-make the same run; the epsilon schedules at their end points; bad input ends in one line."""
+"""What every pair has: on the same random draws the plain script and its lean twin make the same run; the epsilon
+schedules at their end points; bad input ends in one line."""
 
 import numpy as np
 import pytest
@@ -22,8 +22,7 @@ from test_td3_continuous_action import ChangedActor, ChangedQNetwork
 
 
 def numpy_as_lean(draw_steps=None, targets=None):
-    """The plain script draws its numpy numbers from torch's stream as the lean one (NumpyDrawingAsLean);
-    SAC and TD3: `targets`, the plain script's target networks, built in the lean one too."""
+    """The plain script draws numpy numbers from torch's stream as the lean one (SAC, TD3: `targets` built too)."""
 
     def patch(plain, lean, monkeypatch):
         monkeypatch.setattr(plain, "np", NumpyDrawingAsLean(draw_steps))
@@ -52,8 +51,7 @@ def pqn_draws(num_steps):
 
 
 def ppo_draws(draws):
-    """The gym PPO pairs: the plain script's action draws as the lean CPU policy's (numpy generator of
-    --seed 1), its unused bootstrap draw too, and the minibatch orders."""
+    """The gym PPO pairs: action draws (numpy generator of --seed 1), the unused bootstrap draw, minibatch orders."""
 
     def patch(plain, lean, monkeypatch):
         unused_draw = draws(plain, np.random.default_rng(1), monkeypatch)
@@ -72,9 +70,8 @@ class GumbelCategorical(torch.distributions.Categorical):
 
 
 def ppo_atari_draws(plain, lean, monkeypatch):
-    """PPO on Atari: Gumbel-max actions, the lean bootstrap's unused Gumbel noise, the minibatch orders, and
-    channels-last frames in the update (else the first convolution's gradient, a sum that cancels to 1e-4
-    of its terms, drifts 5% in 32 Adam steps)."""
+    """Atari PPO: Gumbel-max actions, the unused bootstrap noise, minibatch orders, channels-last frames in the update
+    (else a cancelling gradient sum drifts 5% in 32 Adam steps)."""
     monkeypatch.setattr(plain, "Categorical", GumbelCategorical)
     monkeypatch.setattr(plain.np.random, "shuffle", shuffle_as_lean)
     get_value, get_action_and_value = plain.Agent.get_value, plain.Agent.get_action_and_value
@@ -132,8 +129,7 @@ SAME_RUN = {
 
 @pytest.mark.parametrize("case", SAME_RUN)
 def test_same_random_draws_make_the_same_run(case, monkeypatch, tmp_path):
-    """The two scripts (the lean one eager), the plain one drawing as the lean one does, log the same
-    metrics at every log point and end with the same weights (metrics rel 1e-5, weights rtol 1e-4)."""
+    """The plain script drawing as the lean one (eager) does: the same metrics at every log point and final weights."""
     family, args, draw_as_lean, log_points, names, weights_atol = SAME_RUN[case]
     plain, lean = (load_script(path) for path in pair(family))
     monkeypatch.chdir(tmp_path)

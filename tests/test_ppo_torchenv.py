@@ -1,7 +1,5 @@
-"""PPO pair on torch-native envs: the lean update against the plain update's math, compiled against
-eager, a stack of one seed against one agent, the scan GAE against CleanRL's loop, the compiled
-rollout against the eager one and its draws against the softmax, the two scripts' whole run on the
-same random draws, a seed of a stack against its single run, stop and resume, bad input, learning."""
+"""PPO pair on torch-native envs: the scan GAE against CleanRL's loop, the rollout against the module's softmax and
+the env's step, compiled against eager, the whole run on the same draws, a seed of a stack, learning."""
 
 import pytest
 import torch
@@ -36,8 +34,7 @@ def lean():
 
 @pytest.mark.parametrize("num_steps", [1, 2, 5, 64, 100])
 def test_scan_gae_is_the_loop(lean, num_steps):
-    """Steps that are and are not powers of two, [steps, seeds, envs]. Tolerance: float32 summed in
-    another order (rtol 1e-5, atol 1e-5 on advantages of a few units)."""
+    """Steps that are and are not powers of two, [steps, seeds, envs] (rtol 1e-5: another summation order)."""
     g = torch.Generator().manual_seed(num_steps)
     rewards, values = torch.randn(num_steps, 2, 3, generator=g), torch.randn(num_steps, 2, 3, generator=g)
     dones = (torch.rand(num_steps, 2, 3, generator=g) < 0.1).float()
@@ -52,8 +49,7 @@ def test_scan_gae_is_the_loop(lean, num_steps):
 
 
 def rollout_case(lean, num_seeds, steps, env_id="CartPole-v1", num_envs=64):
-    """Agents, the rollout of `steps` steps over their stacked parameters, and the first obs and state
-    (CartPole's time limit at 30 steps: truncations as well as terminations)."""
+    """Agents, their rollout of `steps` steps, the first obs and state."""
     torch.manual_seed(0)
     env = leanrl_envs.make(env_id, num_envs)
     agents = [lean.Agent(env.obs_dim, env.num_actions) for _ in range(num_seeds)]
@@ -68,11 +64,8 @@ def rollout_case(lean, num_seeds, steps, env_id="CartPole-v1", num_envs=64):
 
 @pytest.mark.parametrize("num_seeds", [1, 3], ids=["1seed", "3seeds"])
 def test_rollout_acts_by_each_seeds_softmax_and_steps_its_envs(lean, num_seeds, monkeypatch):
-    """Every stored step: each seed's values and log-probabilities from its own network, the action
-    the inverse CDF of its softmax gives at its own uniform (key seed + ACTIONS, the step counter),
-    and the env's own step from the stored obs' state. Over 32 steps of 64 envs the frequency of
-    action 1 is its mean probability (standard error under 0.011). Tolerance: one seed runs the
-    module's own ops, bit for bit; vmapped seeds within float32 rounding (1e-5)."""
+    """Every stored step: each seed's values and log-probabilities, the inverse CDF of its softmax at its own counter
+    uniform, the env's step from its state; action frequencies its probabilities. One seed: bit for bit."""
     monkeypatch.setattr(leanrl_envs.CartPole, "max_episode_steps", 30)
     agents, env, rollout, obs, state = rollout_case(lean, num_seeds, steps=8)
     exact = dict(rtol=0, atol=0) if num_seeds == 1 else dict(rtol=1e-5, atol=1e-5)
@@ -101,8 +94,7 @@ def test_rollout_acts_by_each_seeds_softmax_and_steps_its_envs(lean, num_seeds, 
 
 
 def test_compiled_rollout_is_the_eager_one(lean):
-    """fullgraph, with the options --compile uses: the same actions, dones and episode ends, bit for
-    bit, and the same obs, state and values within float rounding, over 3 calls of 2 steps."""
+    """fullgraph with --compile's options: actions and ends bit for bit, obs, state and values within rounding."""
     _, _, rollout, obs, state = rollout_case(lean, num_seeds=2, steps=2, env_id="Acrobot-v1", num_envs=8)
     options = {"guard_filter_fn": leanrl_utils.speed.value_guards, "cpp_wrapper": True, "realize_opcount_threshold": 4}
     compiled = torch.compile(rollout, fullgraph=True, options=options)
@@ -118,9 +110,8 @@ def test_compiled_rollout_is_the_eager_one(lean):
 
 
 def counter_draws_for_the_plain_script(plain, lean, seed, update_epochs, batch_size, monkeypatch):
-    """The plain script's draws made the lean script's way: each action the inverse CDF of the
-    Categorical's softmax at the uniform of (seed + ACTIONS, the step counter), each epoch's
-    shuffle the order of (seed + ORDERS, the iteration)."""
+    """The plain script's draws made the lean way: actions by inverse CDF at (seed + ACTIONS, counter) uniforms, each
+    epoch's shuffle the order of (seed + ORDERS, iteration)."""
     actions_drawn, shuffles = [0], [0]
 
     class Categorical(torch.distributions.Categorical):
@@ -140,12 +131,8 @@ def counter_draws_for_the_plain_script(plain, lean, seed, update_epochs, batch_s
 
 
 def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path):
-    """Given the same random numbers, the two scripts make the same run: the same envs (terminations
-    and, at a time limit of 20, truncations on 2 envs), initial weights, actions, episodes recorded,
-    GAE (scan against loop), annealing, minibatch orders, losses and Adam steps, for 4 iterations of
-    4 minibatch updates. So the scripts differ only in how they draw (Categorical's sampling and
-    np.random.shuffle against counter-based uniforms: the same distributions) and in float rounding
-    (metrics rel 1e-5, weights rtol 1e-4, atol 1e-6)."""
+    """Given the same random numbers the two scripts make the same run (terminations and, at a limit of 20,
+    truncations): episodes, metrics (rel 1e-5) and weights (rtol 1e-4)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(leanrl_envs.CartPole, "max_episode_steps", 20)
     args = dict(num_envs=2, num_steps=64, total_timesteps=512, num_minibatches=2, update_epochs=2)
@@ -160,9 +147,7 @@ def test_same_random_draws_make_the_same_run(plain, lean, monkeypatch, tmp_path)
 
 
 def test_a_seed_of_a_stack_is_its_single_run(workdir):
-    """--num-seeds 2 --seed 5: seed 6's run (every logged value, the curve, the final weights) is a
-    single run of seed 6 (its envs, draws and initial weights), within float rounding (vmapped
-    seeds sum in another order: rel 1e-4)."""
+    """--num-seeds 2 --seed 5: seed 6's logged values, curve and weights are a single run of seed 6's (rel 1e-4)."""
     (stacked := workdir / "stacked").mkdir()
     (single := workdir / "single").mkdir()
     tiny = [*TINY["ppo_torchenv"], "--save-model"]

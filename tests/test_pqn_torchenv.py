@@ -1,7 +1,5 @@
-"""PQN pair on the torch-native envs: the returns against the reference loop, the update (the PQN
-pair's checks on this pair), the compiled rollout of stacked seeds against each seed alone, whole
-runs (plain against lean on the same draws, compiled against eager, stopped and resumed against
-unbroken), bad input, and learning."""
+"""PQN pair on torch-native envs: the returns against the reference loop, the update (test_pqn's checks), stacked
+seeds' rollout against each seed alone, whole runs (plain against lean, compiled against eager), learning."""
 
 import functools
 import types
@@ -36,8 +34,7 @@ def short_env_too(monkeypatch):
 
 
 def test_returns_match_the_reference_loop(lean):
-    """The returns of [steps, seeds, envs] rollouts, each env as test_pqn's reference loop
-    computes it. Tolerance: float32 against float64, 1e-5 (as test_pqn)."""
+    """The returns of [steps, seeds, envs] rollouts, each env as test_pqn's reference loop (1e-5)."""
     rewards, values, next_value, dones = test_pqn.rollout_case(num_envs=6)
     got = lean.make_returns(0.99, 0.65)(
         rewards.view(16, 2, 3), values.view(16, 2, 3), next_value.view(2, 3), dones.view(16, 2, 3)
@@ -56,10 +53,8 @@ def test_compiled_update_matches_eager(lean):
 
 @pytest.mark.parametrize("num_seeds", [1, 3])
 def test_a_stack_of_seeds_rolls_out_as_each_seed_alone(lean, num_seeds):
-    """`--unroll 4` steps of stacked seeds (the env step vmapped, the forward derived from QNetwork)
-    against each seed's QNetwork and env stepped alone on the same draws, written as the plain loop
-    acts, for 3 calls: the same actions, env states and rows, bit for bit; the values too for one
-    seed (a stack of one runs the module's own ops), else within float32 rounding (batched matmuls)."""
+    """`--unroll 4` steps of stacked seeds against each seed's QNetwork and env alone on the same draws: the same
+    actions, states and rows bit for bit; values too for one seed, else within float32 rounding."""
     env = leanrl_envs.make("CartPole-v1", 5)
     torch.manual_seed(0)
     nets = [lean.QNetwork(4, 2) for _ in range(num_seeds)]
@@ -98,10 +93,8 @@ NAMES = ["losses/td_loss", "losses/q_values", "charts/learning_rate", "charts/ep
 
 
 def test_same_random_draws_make_the_same_run(plain, lean, short_env_too, monkeypatch, tmp_path):
-    """Given the same random numbers (the plain script's per-step draws served from the rollout's
-    block, as test_pqn), the two scripts make the same run: the same env starts, actions (ended
-    and time-limited episodes inside the rollouts), returns, annealing, minibatches and RAdam
-    steps, over 4 iterations of 8 minibatch updates; and the same episodes recorded."""
+    """Given the same random numbers (served as test_pqn) the two scripts make the same run over 4 iterations of 8
+    updates, with ended and time-limited episodes, and record the same episodes."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(plain, "torch", TorchDrawingAsLean(RUN["num_steps"]))
     monkeypatch.setattr(plain.np.random, "shuffle", shuffle_as_lean)
@@ -119,12 +112,8 @@ def test_same_random_draws_make_the_same_run(plain, lean, short_env_too, monkeyp
 
 
 def test_compiled_run_is_the_eager_run(lean, short_env_too, monkeypatch, tmp_path):
-    """--compile at --unroll 8 (the rollout and the update, each one graph) against eager at the
-    default --unroll 4, on the same draws: the same actions, so the same metrics and weights within
-    rounding. Tolerance: 1e-3 on
-    metrics of about 1 to 10, weights 1e-5: the capturable RAdam that the compiled update runs
-    computes its bias corrections in float32 (1 - 0.999**t loses 5 digits), and 32 updates add up
-    a relative 2e-4 on the Q-values (a wrong term or action moves them by far more)."""
+    """--compile at --unroll 8 against eager at --unroll 4: the same metrics (1e-3) and weights (1e-5; the capturable
+    RAdam's bias corrections are float32)."""
     monkeypatch.chdir(tmp_path)
     compiled = types.ModuleType("compiled")  # the script with --compile, as recorded_runs takes a module
     compiled.Args, compiled.main = functools.partial(lean.Args, compile=True, unroll=8), lean.main

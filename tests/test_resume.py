@@ -1,6 +1,5 @@
-"""--resume: a run stopped partway (SIGTERM, or SIGKILL after a periodic checkpoint) and resumed
-ends as the same run unbroken: the same final weights, the same logged values at the same steps,
-no point twice or missing. Bad resumes end in one line and exit 2."""
+"""--resume: a run stopped partway (SIGTERM, or SIGKILL after a periodic checkpoint) and resumed ends as the run
+unbroken: the same weights and logged values at the same steps, each point once. Bad resumes: one line, exit 2."""
 
 import json
 import os
@@ -61,8 +60,7 @@ RESUMABLE = [s for s in scripts("*.py") if family(s) in STOP_AT]
 
 
 def scalars(run_dir):
-    """Every scalar in the run's TensorBoard events, (tag, step, value) in the order written, but
-    steps/s (a timing)."""
+    """Every scalar in the run's TensorBoard events, (tag, step, value) in the order written, but steps/s."""
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
     points = []
@@ -111,9 +109,8 @@ UNBROKEN = {f"{s.stem}{suffix}": (s, times, compiled) for suffix, times, compile
 
 @pytest.mark.parametrize("case", UNBROKEN)
 def test_stopped_and_resumed_run_is_the_run_unbroken(case, tmp_path):
-    """SIGTERM (twice, 1 ms apart: the second changes nothing) mid-iteration after learning started,
-    between two log points; --resume with no other flag: weights, every logged value and the curve's
-    steps equal bit for bit (eager, CPU); --compile compiles anew, values within rounding."""
+    """SIGTERM (twice, 1 ms apart: the second changes nothing) between two log points, --resume with no other flag:
+    weights, logged values and the curve's steps equal bit for bit (eager); --compile compiles anew, within rounding."""
     script, times, compiled = UNBROKEN[case]
     (whole := tmp_path / "whole").mkdir()
     (parts := tmp_path / "parts").mkdir()
@@ -147,9 +144,8 @@ def test_stopped_and_resumed_run_is_the_run_unbroken(case, tmp_path):
 
 @pytest.mark.parametrize("script", [SCRIPTS / "dqn_torchcompile.py", SCRIPTS / "pqn.py"], ids=lambda s: s.stem)
 def test_killed_run_resumes_from_its_periodic_checkpoint(script, tmp_path):
-    """SIGKILL with --checkpoint-every (the Run's, the same in every script; an off-policy and an
-    on-policy one here): the resumed run completes its budget; curve.csv and the events hold every
-    log point once."""
+    """SIGKILL with --checkpoint-every (an off-policy and an on-policy script): the resumed run completes its budget,
+    every log point once in curve.csv and the events."""
     argv = [*TINY[family(script)], "--checkpoint-every", "0.05"]
     i = argv.index("--total-timesteps")
     argv[i + 1] = str(int(argv[i + 1]) * (50 if family(script) == "pqn" else 10))  # lean PQN runs 5120 steps in a second
@@ -186,9 +182,8 @@ torch.compile, torch.compiler.set_stance = compile, set_stance
 
 @pytest.mark.parametrize("script", [SCRIPTS / "dqn_torchcompile.py", SCRIPTS / "ppo_continuous_action_torchcompile.py"])
 def test_a_signal_during_the_cold_compile_ends_it_and_saves(script, tmp_path):
-    """A stop in the first compile (lean DQN's at learning starts, lean PPO's in its first
-    iteration) ends that compile: the iteration goes on eagerly, resume.pt is saved at the next,
-    and --resume completes the budget from it with the state it saved, each log point once."""
+    """A stop in the first compile ends it: the iteration goes on eagerly, resume.pt is saved at the next, and --resume
+    completes the budget from the state it saved, each log point once."""
     argv = [*TINY[family(script)], "--compile"]
     proc = start_script(script, tmp_path, *argv, before=SIGNAL_IN_COMPILE)
     _, stderr = proc.communicate(timeout=300)
@@ -206,8 +201,7 @@ def test_a_signal_during_the_cold_compile_ends_it_and_saves(script, tmp_path):
 
 @pytest.mark.parametrize("script", scripts("*atari*.py"), ids=lambda s: s.stem)
 def test_atari_run_resumes_with_its_saved_state_and_completes_its_budget(script, tmp_path):
-    """envpool's games cannot be saved: the resumed run starts fresh episodes, with the weights,
-    optimizer state and schedule position saved, and completes its budget, each step once."""
+    """envpool's games cannot be saved: the resumed run starts fresh episodes with the saved state, each step once."""
     # PPO and PQN: 4 iterations of 32 steps; DQN: 2 envs, past learning starts (its tiny budget, 400 steps)
     total, at = (400, 120) if family(script) == "dqn_atari_envpool" else (128, 40)
     argv = [*TINY[family(script)], "--total-timesteps", total]
@@ -303,8 +297,7 @@ def test_resume_refuses_what_it_cannot_honour_in_one_line(stopped_run, tmp_path,
 
 
 def test_resume_says_what_it_changes_and_where_it_goes_on(stopped_run, tmp_path):
-    """A flag the run may change (evaluation) is honoured and said in one line, the notice gives
-    the step the run goes on from, and a missing curve.csv is rebuilt with its header (no NUL)."""
+    """A flag the run may change is honoured and said, the notice gives the step, a missing curve.csv is rebuilt."""
     script, run_dir = stopped_run
     (run_dir / "curve.csv").unlink()
     summary, proc = run_script(script, "--resume", run_dir, "--eval-episodes", 1, cwd=tmp_path)
@@ -317,8 +310,7 @@ def test_resume_says_what_it_changes_and_where_it_goes_on(stopped_run, tmp_path)
 
 
 def test_one_writer_per_run_folder(stopped_run, tmp_path):
-    """A second process on a run folder in use is refused in one line naming the first; the lock
-    of a process that died (SIGKILL) blocks nothing."""
+    """A second process on a run folder in use is refused naming the first; a dead process's lock blocks nothing."""
     script, run_dir = stopped_run
     first = start_script(script, tmp_path, "--resume", run_dir, "--total-timesteps", 10**7)
     wait_for(first, "notice: resuming")

@@ -1,6 +1,5 @@
-"""What a run writes, nothing lost (leanrl_utils' Run, tried through the scripts): a folder of its
-own, a curve that survives SIGKILL, a final save that a full disk or a signal cannot break, and
-a strict JSON summary with many seeds."""
+"""What a run writes (leanrl_utils' Run, through the scripts): a folder of its own, a curve that survives SIGKILL, a
+final save that a full disk or a signal cannot break, a strict JSON summary with many seeds."""
 
 import errno
 import math
@@ -22,8 +21,7 @@ DQN, DQN_LEAN = pair("dqn")
 
 @pytest.mark.parametrize("taken", [0, 1, 2])
 def test_run_folders_are_made_exclusively_with_a_suffix(taken, tmp_path, monkeypatch, capsys):
-    """Runs started in one second with the same env, exp name and seed (a sweep varying only the
-    learning rate) each get a folder of their own: runs/<name>, then <name>__2, <name>__3..."""
+    """Runs started in one second with the same name each get a folder: runs/<name>, then <name>__2, <name>__3..."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(leanrl_utils.run, "time", types.SimpleNamespace(time=lambda: 1e6, perf_counter=time.perf_counter))
     args = tiny_args(DQN)
@@ -115,9 +113,8 @@ def test_atomic_save_leaves_no_tmp_and_the_old_file_whole(exc, tmp_path, monkeyp
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EROFS, "dev_full", "torch"], ids=str)
 def test_a_full_disk_at_the_final_save_still_prints_the_summary(code, tmp_path, monkeypatch, capsys):
-    """One line naming the failure, the summary with save_failed, exit 1, no .tmp left. dev_full:
-    a real full disk, the checkpoint's .tmp a link to /dev/full (torch.save given a path raises a
-    RuntimeError there, given a file object an OSError); torch: that RuntimeError itself."""
+    """One line naming the failure, the summary with save_failed, exit 1, no .tmp left (dev_full: a real full disk,
+    the .tmp a link to /dev/full; torch: torch.save's own RuntimeError there)."""
     monkeypatch.chdir(tmp_path)
     run = leanrl_utils.Run(tiny_args(DQN, "--save-model"), 0, DQN)
     if code == "dev_full":
@@ -159,8 +156,8 @@ torch.utils.tensorboard.SummaryWriter.add_scalar = read_only
 
 
 def test_failed_writes_mid_run_are_one_line_each_and_training_goes_on(tmp_path):
-    """A periodic resume.pt that meets a full disk is said in one line and saved at the next
-    checkpoint; TensorBoard's writer failing is said once and dropped; the run ends as usual."""
+    """A resume.pt meeting a full disk is said and saved at the next checkpoint; a failing TensorBoard writer is said
+    once and dropped; the run ends as usual."""
     proc = subprocess.run(
         [*script_command(DQN, before=WRITES_FAIL), *tiny(DQN, checkpoint_every=0.01)],
         cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=300,
@@ -189,8 +186,7 @@ leanrl_utils.checkpoints.atomic_save = signalled_save
     "signums", [(signal.SIGINT,), (signal.SIGTERM,), (signal.SIGINT, signal.SIGTERM), (signal.SIGTERM, signal.SIGINT)]
 )
 def test_signals_during_the_final_save_are_recorded(signums, tmp_path):
-    """The save completes, evaluation is skipped (one signal is enough), the summary says
-    interrupted, and the exit status is the first signal's."""
+    """The save completes, evaluation is skipped, the summary says interrupted, the exit status is the first signal's."""
     before = SIGNALS_IN_SAVE.format(signums=[int(s) for s in signums])
     proc = subprocess.run(
         [*script_command(DQN, before=before), *tiny(DQN, "--save-model", "--eval-episodes", "20")],

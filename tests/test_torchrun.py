@@ -1,7 +1,5 @@
-"""Data-parallel lean PPO under torchrun: two CPU ranks over gloo end with identical
-parameters, rank 0 alone prints the summary with the world size and the global batch, the
-all-reduced gradient is the gradient of both ranks' minibatches together, a 2-rank run learns
-as a single process does within the same env steps, and bad input is one line."""
+"""Data-parallel lean PPO under torchrun (two CPU ranks, gloo): identical parameters, rank 0's summary alone, the
+all-reduced gradient of both ranks' minibatches, learning, resuming, and bad input in one line."""
 
 import json
 import socket
@@ -34,8 +32,7 @@ TWO_RANKS = {"ppo_continuous_action": ["--total-timesteps", "256"], "ppo_atari_e
 
 
 def torchrun(script, *args, cwd, nproc=2, timeout=900, env=None, before=""):
-    """`torchrun --standalone --nproc_per_node nproc script args`, one thread per rank; each rank
-    runs the Python source `before` first, if any."""
+    """`torchrun --standalone --nproc_per_node nproc script args`; each rank runs the source `before` first."""
     command = ["--no-python", *script_command(script, before)] if before else [script]
     return subprocess.run(
         [str(TORCHRUN), "--standalone", "--nproc_per_node", str(nproc), *map(str, command), *map(str, args)],
@@ -193,10 +190,8 @@ def test_below_one_global_batch_under_torchrun(workdir):
 
 
 def test_a_stopped_run_resumes_under_torchrun_as_the_unbroken_run(workdir):
-    """SIGTERM to rank 1 alone, mid-iteration: both ranks stop at the next iteration's start and
-    rank 0 saves every rank's state in one resume.pt. The same torchrun command with --resume ends
-    with the unbroken run's weights and normalization, bit for bit (eager, gloo); resuming it in
-    one process is one line."""
+    """SIGTERM to rank 1 alone: both ranks stop at the next iteration, rank 0 saves every rank's state in resume.pt;
+    --resume ends with the unbroken run's weights bit for bit; resuming it in one process is one line."""
     script = scripts("ppo_continuous_action_torchcompile.py")[0]
     args = [*TINY[family(script)], "--total-timesteps", "512", "--save-model"]  # 4 iterations of 2 x 64 steps
     (whole := workdir / "whole").mkdir()

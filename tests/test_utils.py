@@ -1,6 +1,5 @@
-"""leanrl_utils, tested once: the shorter vector-env step, the forms of a network
-derived from its nn.Module (stacked seeds in torch, acting in numpy) and their refusals, and the
-scripts on a platform without `resource` and `signal.pthread_sigmask` (Windows)."""
+"""leanrl_utils, tested once: the shorter vector-env step, the forms of a network derived from its module (stacked
+seeds in torch, acting in numpy) and their refusals, and the scripts without `resource` and `pthread_sigmask`."""
 
 import os
 import subprocess
@@ -20,9 +19,8 @@ ALL = scripts("*.py")
 
 @pytest.mark.parametrize("env_id", ["CartPole-v1", "InvertedPendulum-v5"])
 def test_same_step_envs_step_as_gymnasium_does(env_id):
-    """The shorter vector-env step: over episodes that end in terminations and in truncations (at
-    12 steps here), the same arrays as gymnasium's SyncVectorEnv under SAME_STEP autoreset, and the
-    same final observations and episode statistics."""
+    """Over terminations and truncations (at 12 steps), the same arrays, final observations and episode statistics as
+    gymnasium's SyncVectorEnv under SAME_STEP autoreset."""
 
     def thunk():
         return gym.wrappers.RecordEpisodeStatistics(gym.make(env_id, max_episode_steps=12))
@@ -93,8 +91,7 @@ def stacked(make, num_seeds):
 @pytest.mark.parametrize("num_seeds", [1, 3])
 @pytest.mark.parametrize("name", NETWORKS)
 def test_derived_forms_act_as_the_module_does(name, num_seeds):
-    """The stacked torch form and the numpy form, derived from the module, give each seed's rows
-    what that seed's module gives them, and see later changes to the weights at once."""
+    """The stacked torch form and the numpy form give each seed's rows what its module gives, and see weight changes."""
     nets, params = stacked(NETWORKS[name], num_seeds)
     x = torch.randn(num_seeds, 6, 5)
     torch_form = leanrl_utils.seeds.forward(nets[0])
@@ -164,8 +161,7 @@ NO_POSIX = "import psutil, sys, signal; sys.modules['resource'] = None; del sign
 
 
 def test_every_script_imports_without_posix_only_modules(tmp_path):
-    """On Windows there is no `resource` and no `signal.pthread_sigmask`: the module and every
-    script still import (nothing runs at import)."""
+    """Without `resource` and `signal.pthread_sigmask` (Windows) the package and every script still import."""
     imports = "; ".join(
         f"spec = importlib.util.spec_from_file_location({s.stem!r}, {str(s)!r}); "
         f"spec.loader.exec_module(importlib.util.module_from_spec(spec))"
