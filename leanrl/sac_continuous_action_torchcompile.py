@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import gymnasium as gym
 import numpy as np
 import torch
-import torch._inductor.config
 import torch.nn as nn
 import torch.nn.functional as F
 from tensordict import from_module
@@ -374,12 +373,11 @@ def main(args: Args):
     # only on CUDA, where kernel launches bound these small networks: on a CPU its guards cost more
     # than fusion saves.
     if args.compile:
-        if device.type == "cpu":
-            # The action noise inside the compiled updates comes from torch's own kernel, much
-            # faster on a CPU than inductor's, and the same numbers as an eager update draws.
-            torch._inductor.config.fallback_random = True
-        update_critic = torch.compile(update_critic, fullgraph=True, options={"guard_filter_fn": speed.value_guards})
-        update_actor = torch.compile(update_actor, fullgraph=True, options={"guard_filter_fn": speed.value_guards})
+        # fallback_random: on a CPU the action noise inside the compiled updates comes from torch's own
+        # kernel, much faster than inductor's, and the same numbers as an eager update draws.
+        options = {"guard_filter_fn": speed.value_guards, "fallback_random": device.type == "cpu"}
+        update_critic = torch.compile(update_critic, fullgraph=True, options=options)
+        update_actor = torch.compile(update_actor, fullgraph=True, options=options)
         if device.type == "cuda":
             policy = torch.compile(policy, options={"guard_filter_fn": speed.value_guards})
         # A stop signal ends their cold compile at once; the loop goes on eagerly to its checkpoint.

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import gymnasium as gym
 import numpy as np
 import torch
-import torch._inductor.config
 import torch.nn as nn
 import torch.nn.functional as F
 from tensordict import TensorDict, from_module
@@ -351,15 +350,13 @@ def main(args: Args):
     # --compile: each update is one graph; the policy only on CUDA, where kernel launches bound
     # these small networks (on a CPU a compiled call's guards cost more than fusion saves).
     if args.compile:
-        if device.type == "cpu":
-            # Inductor's own CPU kernel for random numbers is far slower than torch's; torch's
-            # also draws what an eager update draws.
-            torch._inductor.config.fallback_random = True
-        options = {"guard_filter_fn": speed.value_guards}
+        # fallback_random: on a CPU inductor's own kernel for random numbers is far slower than
+        # torch's, and torch's draws what an eager update draws.
+        options = {"guard_filter_fn": speed.value_guards, "fallback_random": device.type == "cpu"}
         update_critic = torch.compile(update_critic, fullgraph=True, options=options)
         update_critic_and_actor = torch.compile(update_critic_and_actor, fullgraph=True, options=options)
         if device.type == "cuda":
-            policy = torch.compile(policy, options=options)
+            policy = torch.compile(policy, options={"guard_filter_fn": speed.value_guards})
         # A stop signal ends their cold compile at once; the loop goes on eagerly to its checkpoint.
         update_critic, update_critic_and_actor, policy = speed.interruptible(
             run, update_critic, update_critic_and_actor, policy

@@ -59,10 +59,30 @@ class SameStepEnvs(gym.vector.SyncVectorEnv):
         for i, (env, action) in enumerate(zip(self.envs, actions)):
             obs, rewards[i], terminations[i], truncations[i], info = env.step(action)
             if terminations[i] or truncations[i]:
-                infos = self._add_info(infos, {"final_obs": obs, "final_info": info}, i)
+                infos = add_info(infos, {"final_obs": obs, "final_info": info}, i, self.num_envs)
                 obs, _ = env.reset()
             observations.append(obs)
         return np.stack(observations), rewards, terminations, truncations, infos
+
+
+def add_info(infos, info, i, num_envs):
+    """Env i's `info` in vector infos as gymnasium lays them out: each value in an array over the envs
+    (final_obs and other objects in an object array), beside its mask `_key`."""
+    for key, value in info.items():
+        array = infos.get(key)
+        if isinstance(value, dict):
+            array = add_info(array or {}, value, i, num_envs)
+        else:
+            if array is None and key != "final_obs" and (type(value) in (int, float, bool) or isinstance(value, np.number)):
+                array = np.zeros(num_envs, type(value))
+            elif array is None and key != "final_obs" and isinstance(value, np.ndarray):
+                array = np.zeros((num_envs, *value.shape), value.dtype)
+            elif array is None:
+                array = np.full(num_envs, None, object)
+            array[i] = value
+        infos[key] = array
+        infos.setdefault(f"_{key}", np.zeros(num_envs, bool))[i] = True
+    return infos
 
 
 def real_next_obs(next_obs, infos):
