@@ -1,5 +1,4 @@
-"""Shared helpers: run a script (subprocess or in process), read its summary, import it as a module, list scripts by
-glob, and run a plain script and its lean twin on the same random draws."""
+"""Shared helpers: run a script (subprocess or in process), read its summary, import it, compare plain and lean runs."""
 
 import copy
 import importlib.util
@@ -41,9 +40,9 @@ def script_env(**extra):
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", **extra}
 
 
-def run_script(script, *args, cwd, timeout=600, env=None, check=True):
-    """Run a script in a subprocess; return (its summary, the last stdout line as a dict or None; the CompletedProcess)."""
-    command = [sys.executable, str(script), *map(str, args)]
+def run_script(script, *args, cwd, timeout=600, env=None, check=True, before="", after=""):
+    """Run a script in a subprocess (source `before` first, `after` at its end); return (its summary or None, proc)."""
+    command = [*(script_command(script, before, after) if before or after else [sys.executable, str(script)]), *map(str, args)]
     proc = subprocess.run(command, cwd=cwd, env=script_env(**(env or {})), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         pytest.fail(f"{Path(script).name} {' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
@@ -70,8 +69,7 @@ def start_script(script, cwd, *argv, before=None, **popen):
 
 
 def signal_at_step(at, times=1, signum=signal.SIGTERM, where="gymnasium.wrappers:RecordEpisodeStatistics"):
-    """Python source sending `signum` to the script's own process at the `at`-th call of `step` of `where`
-    ("module:Class"; by default one env's step), `times` times 1 ms apart."""
+    """Source sending `signum` to the process at the `at`-th `step` of `where` (module:Class), `times` times."""
     module, name = where.split(":")
     return f"""
 import importlib, os, time
@@ -88,8 +86,7 @@ _class.step = step
 
 
 def start_long_run(script, workdir, *extra, before=None):
-    """The script at its tiny settings but `extra` and no budget, in the background, SIGINT at its default disposition
-    (a shell without job control starts background jobs with it ignored)."""
+    """The script at tiny settings but `extra`, no budget, in the background, SIGINT at its default disposition."""
     argv = tiny(script, *extra, total_timesteps=None)
     return start_script(script, workdir, *argv, before=before, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
@@ -147,7 +144,7 @@ def refused_call(capsys, call, *args, words=(), **kwargs):
     with pytest.raises(SystemExit) as stop:
         call(*args, **kwargs)
     err = capsys.readouterr().err
-    assert stop.value.code == 2 and err.startswith("error:") and err.count("\n") == 1, err
+    assert stop.value.code == 2 and err.startswith("error:") and err.count("\n") == 1 and all(w in err for w in words), err
     return error_line(err, *words)
 
 
@@ -220,8 +217,7 @@ def shuffle_as_lean(x):
 
 
 class TorchDrawingAsLean:
-    """torch for a plain PQN script, its epsilon-greedy draws made as the lean `draw_exploration` makes them: the whole
-    rollout's uniforms and random actions at its first step, served one step at a time."""
+    """torch for a plain PQN script, drawing each rollout's epsilon-greedy numbers as the lean `draw_exploration`."""
 
     def __init__(self, num_steps):
         self.num_steps, self.step = num_steps, 0
@@ -241,8 +237,7 @@ class TorchDrawingAsLean:
 
 
 class NumpyDrawingAsLean:
-    """numpy for a plain script, drawing from torch's stream as its lean twin does: minibatch rows as the device buffers'
-    `sample`, and (DQN) blocks of `draw_steps` steps' epsilon-greedy uniforms and random actions as `draw_exploration`."""
+    """numpy for a plain script, drawing from torch's stream as its lean twin: minibatch rows, blocks of exploration."""
 
     def __init__(self, draw_steps=None):
         self.random = self.Random(draw_steps)
@@ -272,8 +267,7 @@ class NumpyDrawingAsLean:
 
 
 def atari_batch(n, seed, *fields, n_act=4):
-    """A flat rollout batch of Atari frames: frames, actions, `fields` (each drawn by a function of the size and the
-    generator) and valid, about 1 step in 8 a reset step (valid 0)."""
+    """A flat batch of Atari frames: frames, actions, `fields` (drawn by f(n, generator)), valid (1 step in 8 not)."""
     g = torch.Generator().manual_seed(seed)
     frames = torch.randint(0, 256, (n, 4, 84, 84), dtype=torch.uint8, generator=g)
     actions = torch.randint(0, n_act, (n,), generator=g)
@@ -281,8 +275,7 @@ def atari_batch(n, seed, *fields, n_act=4):
 
 
 def assert_dqn_step_is_the_plain_step(metrics, nets, optimizer, batch, gamma, seed_net, tolerance):
-    """The plain DQN step as in the scripts' loops, on one seed's batch (obs, actions, next_obs, rewards, dones) and
-    `nets` (Q-network, target): the lean metrics (td_loss, q_values) and that seed's parameters after it match it."""
+    """The plain DQN step on one seed's batch and `nets`: the lean metrics and that seed's parameters match it."""
     (q_ref, target_ref), (obs, actions, next_obs, rewards, dones) = nets, batch
     with torch.no_grad():
         td_target = rewards + gamma * target_ref(next_obs).max(dim=1).values * (1 - dones)
@@ -305,9 +298,7 @@ def dqn_learner(lean, nets, targets, storage, gamma=0.99, learning_rate=2.5e-4):
 
 
 def build_plain_targets_too(lean, monkeypatch, targets):
-    """The plain SAC and TD3 scripts build target networks as modules (drawing initial weights), the lean ones clone
-    parameters: the lean script's first three networks are followed by throwaway builds of `targets` (class names in
-    the plain script's order), so that its later draws meet the same stream."""
+    """The lean script also builds `targets` after its first three networks, as the plain one draws their weights."""
     originals = {name: getattr(lean, name) for name in set(targets) | {"Actor"}}
     built = []
 
@@ -329,8 +320,7 @@ def build_plain_targets_too(lean, monkeypatch, targets):
 
 
 def recorded_runs(modules, args, monkeypatch):
-    """Each module's main with `args` (Args fields) in turn, in this process, one intra-op thread; per module, the
-    metrics of every log point and the final weights Run.finish saves ("network.parameter" -> tensor)."""
+    """Each module's main with `args` in turn; per module, every log point's metrics and the final weights."""
     threads, runs = torch.get_num_threads(), []
     torch.set_num_threads(1)
     try:
@@ -379,17 +369,12 @@ def workdir(tmp_path):
     return tmp_path
 
 
-def family(script):
-    """The algorithm a script belongs to: its file name without `_torchcompile` and `.py`."""
-    return Path(script).stem.removesuffix("_torchcompile")
+# The algorithm a script belongs to: its file name without `_torchcompile` and `.py`.
+family = lambda script: Path(script).stem.removesuffix("_torchcompile")
+is_lean = lambda script: Path(script).stem.endswith("_torchcompile")
 
 
-def is_lean(script):
-    return Path(script).stem.endswith("_torchcompile")
-
-
-# Tiny settings per family (every script must have one): the update and a log point at least twice in seconds, on a
-# cheap env. CartPole PPO and PQN: 2 envs, 64 steps: 4 iterations of 4 minibatch updates, a log point after each.
+# Tiny settings per family (every script has one): updates and log points twice in seconds on a cheap env.
 CARTPOLE_ROLLOUTS = "--total-timesteps 512 --num-envs 2 --num-steps 64 --num-minibatches 2 --update-epochs 2"
 # Atari PPO and PQN: 2 envs, 16 steps, 2 iterations (4 minibatch updates each).
 ATARI_ROLLOUTS = "--env-id Breakout-v5 --num-envs 2 --num-steps 16 --total-timesteps 64 --num-minibatches 2 --update-epochs 2"
@@ -444,9 +429,7 @@ def tiny_value(script, flag, default=None):
     return int(argv[argv.index(flag) + 1]) if flag in argv else default
 
 
-def pair(name):
-    """A family's plain script and its lean twin."""
-    return scripts(f"{name}.py")[0], scripts(f"{name}_torchcompile.py")[0]
+pair = lambda name: (scripts(f"{name}.py")[0], scripts(f"{name}_torchcompile.py")[0])  # a family's plain and lean scripts
 
 
 @pytest.fixture(scope="module")
@@ -475,11 +458,7 @@ def assert_refused_before_work(code, capsys, tmp_path, *words, started=False):
     return error_line(err, *words)
 
 
-def stack_of_one(agent):
-    """One agent's parameters as a lean script holds them: a stack of one, the agent's own its views."""
-    return leanrl_utils.seeds.stack([agent]).items()
-
-
-def unstacked(update):
-    """A lean update over a stack of one, called with one agent's batch and minibatch rows."""
-    return lambda *batch_and_idx: update(*(x[None] for x in batch_and_idx))[0]
+# One agent's parameters as a lean script holds them: a stack of one, the agent's own its views.
+stack_of_one = lambda agent: leanrl_utils.seeds.stack([agent]).items()
+# A lean update over a stack of one, called with one agent's batch and minibatch rows.
+unstacked = lambda update: lambda *batch_and_idx: update(*(x[None] for x in batch_and_idx))[0]

@@ -1,5 +1,4 @@
-"""The SAC and TD3 pairs' replay buffers as their loops fill them through SAME_STEP autoresets: no transition spans
-an episode boundary, terminations apart from truncations, a ring that wraps, only filled rows sampled."""
+"""The SAC and TD3 pairs' replay buffers through SAME_STEP autoresets: real transitions, terminations, a ring."""
 
 import numpy as np
 import pytest
@@ -26,8 +25,7 @@ def stored(rb):
 
 
 def collect(module, env_id, num_envs, steps, buffer_size, stage_steps):
-    """Random actions through the script's own envs and buffer; the buffer and each episode end's (step, env, final
-    obs, reset obs, terminated)."""
+    """Random actions through the script's envs into its buffer; the buffer and each end's (step, env, final, reset, term)."""
     envs = module.make_envs(module.Args(env_id=env_id, num_envs=num_envs), "test", num_envs)
     envs.action_space.seed(0)
     n_obs, n_act = envs.single_observation_space.shape[0], envs.single_action_space.shape[0]
@@ -56,8 +54,7 @@ def pendulum_step(obs, action):
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: s.stem)
 def test_buffer_never_spans_an_autoreset(script):
-    """Two Pendulum envs through two time limits: every transition obeys the dynamics, each last step stores the final
-    observation, a truncation is not done."""
+    """Every transition obeys Pendulum's dynamics and ends at the final obs; truncations are not done."""
     num_envs, steps = 2, 450
     rb, ends = collect(load_script(script), "Pendulum-v1", num_envs, steps, steps * num_envs, stage_steps=7)
     assert [(step, i) for step, i, *_ in ends] == [(199, 0), (199, 1), (399, 0), (399, 1)]
@@ -78,8 +75,7 @@ def test_buffer_never_spans_an_autoreset(script):
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: s.stem)
 def test_buffer_keeps_terminations_apart_and_wraps(script):
-    """Terminations store done 1 and the final obs, other rows done 0; a ring of 7 rows holds the last 7 transitions;
-    only filled rows are sampled."""
+    """Terminations alone store done 1; a ring of 7 holds the last 7; only filled rows are sampled."""
     module = load_script(script)
     rb, ends = collect(module, "InvertedPendulum-v5", 2, 150, 300, stage_steps=7)
     data = stored(rb)

@@ -1,5 +1,4 @@
-"""DQN on Atari (envpool): the frame buffers against whole stacks over real games, sampling that skips reset
-steps, the update (lean against plain, compiled against eager), a changed network. No learning test (hours)."""
+"""DQN on Atari (envpool): frame buffers, sampling, the update, a changed network. No learning test (hours)."""
 
 import copy
 
@@ -18,8 +17,7 @@ NUM_ENVS, STEPS, ROWS = 3, 400, 64
 
 @pytest.fixture(scope="module")
 def games():
-    """STEPS steps of random play in NUM_ENVS Breakout games as the scripts make them, cut at 70 steps (truncations
-    too): [(obs acted on, actions, rewards, terminations, truncations, next obs)]."""
+    """STEPS steps of random Breakout (cut at 70) as the scripts make them: (obs, actions, rewards, term, trunc, next)."""
     options = dict(env_type="gymnasium", episodic_life=True, reward_clip=True, seed=3, max_episode_steps=70)
     envs = envpool.make("Breakout-v5", num_envs=NUM_ENVS, **options)
     rng = np.random.default_rng(0)
@@ -31,11 +29,9 @@ def games():
         steps.append((obs, actions, rewards.astype(np.float32), terminations, truncations, next_obs))
         obs = next_obs
     envs.close()
-    ends = np.array([term | trunc for _, _, _, term, trunc, _ in steps])
-    truncated = np.array([trunc for *_, trunc, _ in steps])
-    lives_lost = np.array([term for _, _, _, term, _, _ in steps])
+    lives_lost, truncated = (np.array([step[k] for step in steps]) for k in (3, 4))
     # The case covers what it must: lost lives, truncations and, after game overs, full-stack resets.
-    assert lives_lost.sum() >= 5 and truncated.sum() >= 2 and ends.sum() >= 10
+    assert lives_lost.sum() >= 5 and truncated.sum() >= 2 and (lives_lost | truncated).sum() >= 10
     starts = [(o[:, :3] == o[:, 3:]).all(axis=(1, 2, 3)).sum() for o, *_ in steps]
     assert sum(starts) >= NUM_ENVS + 2
     return steps
@@ -53,12 +49,9 @@ def fill(buffer, steps):
 
 def naive_transitions(steps, resets, first_step):
     """A buffer of whole stacks: (obs, action, reward, done, next obs) per (step, env) from `first_step`, no reset steps."""
-    return {
-        (t, i): (obs[i], actions[i], rewards[i], float(term[i]), next_obs[i])
-        for t, (obs, actions, rewards, term, _, next_obs) in enumerate(steps)
-        for i in range(NUM_ENVS)
-        if t >= first_step and not resets[t, i]
-    }
+    return {(t, i): (obs[i], actions[i], rewards[i], float(term[i]), next_obs[i])
+            for t, (obs, actions, rewards, term, _, next_obs) in enumerate(steps) for i in range(NUM_ENVS)
+            if t >= first_step and not resets[t, i]}  # fmt: skip
 
 
 def buffers(plain, lean):
@@ -68,8 +61,8 @@ def buffers(plain, lean):
 
     def lean_stacks(rows, envs):
         lean_rb.flush()
-        storage = lean_rb.storage
-        return lean.frame_stacks(storage["frames"], storage["first"], torch.as_tensor(rows), torch.as_tensor(envs)).numpy()
+        frames, first = lean_rb.storage["frames"], lean_rb.storage["first"]
+        return lean.frame_stacks(frames, first, torch.as_tensor(rows), torch.as_tensor(envs)).numpy()
 
     return [(plain_rb, plain_rb.stacks), (lean_rb, lean_stacks)]
 
@@ -77,8 +70,7 @@ def buffers(plain, lean):
 @pytest.mark.parametrize("steps_taken", [40, STEPS], ids=["filling", "wrapped"])
 @pytest.mark.parametrize("which", ["plain", "lean"])
 def test_frame_buffer_rebuilds_every_stack(plain, lean, games, which, steps_taken):
-    """Every sampleable transition gives back envpool's obs and next_obs stacks, action, reward and done, across lost
-    lives, game overs, truncations and a ring wrapped 6 times; reset steps are marked skipped."""
+    """Each sampleable transition gives back envpool's stacks and fields across lives, games and wraps."""
     rb, stacks = buffers(plain, lean)[which == "lean"]
     steps = games[:steps_taken]
     resets = fill(rb, steps)
@@ -109,8 +101,7 @@ def test_frame_buffer_rebuilds_every_stack(plain, lean, games, which, steps_take
 
 @pytest.mark.parametrize("which", ["plain", "lean"])
 def test_sampling_draws_only_held_game_transitions(plain, lean, games, which):
-    """2,000 samples of the wrapped buffer are each a held whole-stack transition (never a reset step, an overwritten
-    row or the newest row), and every held transition is drawn in about its share."""
+    """Samples are held whole-stack transitions only, each drawn in about its share."""
     torch.manual_seed(0)
     np.random.seed(0)
     rb, stacks = buffers(plain, lean)[which == "lean"]
@@ -173,8 +164,7 @@ EXACT = {1: dict(rtol=0, atol=0), 2: dict(rtol=1e-5, atol=1e-6)}
 
 @pytest.mark.parametrize("num_seeds", [1, 2])
 def test_lean_update_is_the_plain_update(plain, lean, num_seeds):
-    """The lean update (stacks rebuilt in it, torch.func, functional Adam) against dqn_atari_envpool.py's step written
-    out (its buffer's stacks), per seed on its own columns: bit for bit for one seed."""
+    """The lean update against dqn_atari_envpool.py's step per seed: bit for bit for one seed."""
     nets, targets, storage, batches = update_case(lean, num_seeds)
     seed_nets, *_, update = dqn_learner(lean, nets, targets, storage, learning_rate=1e-4)
     refs = [(copy.deepcopy(net), copy.deepcopy(target)) for net, target in zip(nets, targets)]
@@ -222,8 +212,7 @@ def changed_network(lean, activation=nn.Tanh):
 
 @pytest.mark.parametrize("num_seeds", [1, 3])
 def test_a_changed_network_acts_as_its_module(lean, monkeypatch, num_seeds, capsys):
-    """make_policy acts greedily on each seed's changed module (exact for one seed); numpy_forward refuses the
-    convolution in one line naming it."""
+    """make_policy acts with each seed's changed module; numpy_forward refuses the convolution."""
     monkeypatch.setattr(lean, "QNetwork", changed_network(lean))
     torch.manual_seed(0)
     nets = [lean.QNetwork(4) for _ in range(num_seeds)]

@@ -1,5 +1,4 @@
-"""leanrl_envs against gymnasium's classic-control envs: transitions from the same states and actions, whole episodes
-under autoreset, the reset draws, the compiled step."""
+"""leanrl_envs against gymnasium's classic-control envs: transitions, episodes, reset draws, the compiled step."""
 
 import io
 
@@ -14,23 +13,14 @@ torch.set_num_threads(1)
 
 ENV_IDS = list(leanrl_envs.ENVS)
 
-# Boxes of physical states to start transitions from, reaching past the termination limits so that
-# a good share of steps terminate: CartPole's |x| > 2.4 and |theta| > 12 deg, Acrobot's whole circle
-# at all bounded speeds (the tip above the bar, the wraps and the speed bounds), MountainCar's goal
-# at 0.5 and its left wall at -1.2 (which zeroes a negative velocity).
-STATE_BOXES = {
-    "CartPole-v1": ([-2.6, -3.0, -0.25, -3.5], [2.6, 3.0, 0.25, 3.5]),
-    "Acrobot-v1": ([-np.pi, -np.pi, -4 * np.pi, -9 * np.pi], [np.pi, np.pi, 4 * np.pi, 9 * np.pi]),
-    "MountainCar-v0": ([-1.2, -0.07], [0.6, 0.07]),
-}
+# Physical states to start from, reaching past each env's termination limits.
+STATE_BOXES = {"CartPole-v1": ([-2.6, -3.0, -0.25, -3.5], [2.6, 3.0, 0.25, 3.5]),
+               "Acrobot-v1": ([-np.pi, -np.pi, -4 * np.pi, -9 * np.pi], [np.pi, np.pi, 4 * np.pi, 9 * np.pi]),
+               "MountainCar-v0": ([-1.2, -0.07], [0.6, 0.07])}  # fmt: skip
 # gymnasium's reset draws (each env's `reset`): uniform in [low, high), column by column.
-RESET_BOXES = {
-    "CartPole-v1": ([-0.05] * 4, [0.05] * 4),
-    "Acrobot-v1": ([-0.1] * 4, [0.1] * 4),
-    "MountainCar-v0": ([-0.6, 0.0], [-0.4, 0.0]),
-}
-# Observations agree within float32 rounding: both sides compute in float64 (only torch's and
-# numpy's sin/cos may differ in the last bit) and round once to float32; no atol is needed.
+RESET_BOXES = {"CartPole-v1": ([-0.05] * 4, [0.05] * 4), "Acrobot-v1": ([-0.1] * 4, [0.1] * 4),
+               "MountainCar-v0": ([-0.6, 0.0], [-0.4, 0.0])}  # fmt: skip
+# Observations within float32 rounding: both sides compute in float64 (sin/cos may differ in the last bit), round once.
 OBS_TOL = dict(rtol=1e-5, atol=0.0)
 
 
@@ -51,8 +41,7 @@ def gym_step(env, physics, action, elapsed=0):
 @pytest.mark.parametrize("env_id", ENV_IDS)
 def test_sizes_match_gymnasium(env_id):
     env, reference = leanrl_envs.make(env_id, 1), gym.make(env_id)
-    assert env.obs_dim == reference.observation_space.shape[0]
-    assert env.num_actions == reference.action_space.n
+    assert (env.obs_dim, env.num_actions) == (reference.observation_space.shape[0], reference.action_space.n)
     assert env.max_episode_steps == reference.spec.max_episode_steps
 
 
@@ -79,8 +68,9 @@ def test_transitions_match_gymnasium(env_id):
     torch.testing.assert_close(out.final_obs, torch.from_numpy(obs), **OBS_TOL)
     # The physical states too (Acrobot's angle wraps show only here): within the last bits of a sin or cos.
     torch.testing.assert_close(env.dynamics(physics, action)[0], torch.from_numpy(reached), rtol=1e-12, atol=1e-12)
-    assert torch.equal(out.reward, torch.from_numpy(reward).float())
-    assert torch.equal(out.terminated, torch.from_numpy(terminated))
+    assert torch.equal(out.reward, torch.from_numpy(reward).float()) and torch.equal(
+        out.terminated, torch.from_numpy(terminated)
+    )
     assert torch.equal(out.truncated, torch.from_numpy(truncated))
     # The samples reach every branch many times: termination and not, truncation and not.
     for flag in (out.terminated, out.truncated):
@@ -140,16 +130,14 @@ def test_draws_are_uniform_bits():
 
 @pytest.mark.parametrize("env_id", ENV_IDS)
 def test_episodes_match_record_episode_statistics(env_id):
-    """Whole episodes under fixed actions: transitions, ends, returns and lengths as RecordEpisodeStatistics gives
-    them, fresh starts (gymnasium's physics set to ours each step: Acrobot would amplify a last-bit difference)."""
+    """Whole episodes under fixed actions end, return and restart as RecordEpisodeStatistics says."""
     n = 2
     env = leanrl_envs.make(env_id, n)
     steps = 2 * env.max_episode_steps + 50  # MountainCar and most Acrobot episodes run to the time limit
     g = torch.Generator().manual_seed(1)
     actions = torch.randint(env.num_actions, (steps, n), generator=g)
     references = [gym.wrappers.RecordEpisodeStatistics(gym.make(env_id)) for _ in range(n)]
-    for reference in references:
-        reference.reset(seed=0)
+    [reference.reset(seed=0) for reference in references]
     state, obs = env.reset(seed=3)
     low, high = (torch.tensor(b, dtype=torch.float64) for b in RESET_BOXES[env_id])
     episodes = 0
@@ -164,8 +152,7 @@ def test_episodes_match_record_episode_statistics(env_id):
             if not (terminated or truncated):
                 continue
             episodes += 1
-            assert out.episode_return[i].item() == info["episode"]["r"]
-            assert out.episode_length[i].item() == info["episode"]["l"]
+            assert (out.episode_return[i].item(), out.episode_length[i].item()) == (info["episode"]["r"], info["episode"]["l"])
             assert ((state.physics[i] >= low) & (state.physics[i] <= high)).all()
             assert torch.equal(out.obs[i], env.observe(state.physics[i : i + 1])[0])
             assert state.elapsed[i] == 0 and state.episode_return[i] == 0
@@ -194,8 +181,7 @@ def test_compiled_step_matches_eager(env_id):
 
 def test_state_saves_and_loads():
     state, _ = leanrl_envs.make("Acrobot-v1", 3).reset(seed=4)
-    buffer = io.BytesIO()
-    torch.save(tuple(state), buffer)
+    torch.save(tuple(state), buffer := io.BytesIO())
     buffer.seek(0)
     assert all(map(torch.equal, leanrl_envs.State(*torch.load(buffer, weights_only=True)), state))
 

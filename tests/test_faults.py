@@ -1,6 +1,4 @@
-"""Bad input (every script, from a glob) ends in one `error:` line and exit 2 before any work, leaving no run folder;
-SIGINT and SIGTERM save a finite checkpoint and print the summary; checkpoints load as tensors only; the plumbing
-lives once, in leanrl_utils."""
+"""Bad input is one `error:` line and exit 2 before any work; signals save and summarize; the plumbing lives once."""
 
 import contextlib
 import importlib
@@ -44,58 +42,46 @@ SEEDED = [s for s in ALL if "num_seeds" in load_script(s).Args.__dataclass_field
 DISTRIBUTED = [s for s in ALL if "dist_timeout" in load_script(s).Args.__dataclass_fields__]
 
 
-def assert_refused(code, capsys, *words):
-    """assert_refused_before_work, where the run may have started (its folder exists)."""
-    return assert_refused_before_work(code, capsys, None, *words, started=True)
+# assert_refused_before_work, where the run may have started (its folder exists).
+assert_refused = lambda code, capsys, *words: assert_refused_before_work(code, capsys, None, *words, started=True)
+no_run_folder = lambda tmp_path: not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
 
 
-def no_run_folder(tmp_path):
-    return not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+def cases(scripts, argvs, words, missing=None):
+    """(script, argv, words, a module made missing) for each script with each argv; `words` may be made from argv."""
+    make = words if callable(words) else lambda *argv: words
+    return [
+        pytest.param(s, argv, make(*argv), missing, id=f"{s.stem} {' '.join(map(str, argv))}")
+        for s in scripts
+        for argv in argvs
+    ]
 
 
 # flag -> values that each break its rule; a script is tried on every flag its Args has.
-BAD = {
-    "seed": ["-1", str(2**32)],
-    "total_timesteps": ["-5"],
-    "num_envs": ["0"],
-    "num_steps": ["0"],
-    "num_minibatches": ["0"],
-    "update_epochs": ["0"],
-    "batch_size": ["0"],
-    "buffer_size": ["0"],
-    "threads": ["0"],
-    "learning_rate": ["nan", "-1"],
-    "q_lr": ["nan"],
-    "policy_lr": ["-0.1"],
-    "gamma": ["1.5", "0"],
-    "tau": ["2", "0"],
-    "eval_episodes": ["-1"],
-    "max_grad_norm": ["inf"],
-    "policy_frequency": ["0"],
-    "num_seeds": ["0"],
-}
-CASES = [
-    (script, flag, value)
-    for script in ALL
-    for flag, values in BAD.items()
-    if flag in load_script(script).Args.__dataclass_fields__
-    for value in values
-]
+BAD = {"seed": ["-1", str(2**32)], "total_timesteps": ["-5"], "num_envs": ["0"], "num_steps": ["0"], "num_minibatches": ["0"],
+       "update_epochs": ["0"], "batch_size": ["0"], "buffer_size": ["0"], "threads": ["0"], "learning_rate": ["nan", "-1"],
+       "q_lr": ["nan"], "policy_lr": ["-0.1"], "gamma": ["1.5", "0"], "tau": ["2", "0"], "eval_episodes": ["-1"],
+       "max_grad_norm": ["inf"], "policy_frequency": ["0"], "num_seeds": ["0"]}  # fmt: skip
+REFUSALS = [
+    *(case for s in ALL for flag, values in BAD.items() if flag in load_script(s).Args.__dataclass_fields__
+      for case in cases([s], [[f"--{flag.replace('_', '-')}", v] for v in values], lambda flag, v: [f"{flag} {v}"])),
+    *cases(ALL, [["--track"]], ["wandb"], missing="wandb"),
+    *cases(ALL, [["--capture-video"]], ["leanrl[video]"], missing="moviepy"),
+    *cases(ALL, [["--load-model", "nope.pt"]], ["nope.pt"]),
+    *cases([DQN], [["--exp-name", n] for n in ["../../escape", "", "sweep/lr1", ".hidden", "..", "a\\b", "tab\there"]],
+           ["--exp-name"]),
+    *cases(DISTRIBUTED, [["--dist-timeout", v] for v in ["nan", "-5", "inf", "0"]], ["--dist-timeout"]),
+    *cases(ALL, [["--seed", seed] for seed in [4294967295, 2**31 - 5, -1]], ["--seed", "2**31"]),  # every derived seed too
+]  # fmt: skip
 
 
-@pytest.mark.parametrize("script,flag,value", CASES, ids=lambda x: getattr(x, "stem", x))
-def test_bad_flag_is_one_line_before_any_work(script, flag, value, tmp_path, monkeypatch, capsys):
-    code = main_in_process(
-        load_script(script), f"--{flag.replace('_', '-')}", value, tmp_path=tmp_path, monkeypatch=monkeypatch
-    )
-    assert_refused_before_work(code, capsys, tmp_path, f"--{flag.replace('_', '-')} {value}")
-
-
-@pytest.mark.parametrize("script", ALL, ids=lambda s: s.stem)
-def test_track_without_wandb_is_one_line(script, tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb now fails
-    code = main_in_process(load_script(script), "--track", tmp_path=tmp_path, monkeypatch=monkeypatch)
-    assert_refused_before_work(code, capsys, tmp_path, "wandb")
+@pytest.mark.parametrize("script, argv, words, missing", REFUSALS)
+def test_bad_input_is_one_line_before_any_work(script, argv, words, missing, tmp_path, monkeypatch, capsys):
+    """A flag breaking its rule, a missing extra (its import fails) or checkpoint: exit 2, one line, no run folder."""
+    if missing:
+        monkeypatch.setitem(sys.modules, missing, None)
+    code = main_in_process(load_script(script), *argv, tmp_path=tmp_path, monkeypatch=monkeypatch)
+    assert_refused_before_work(code, capsys, tmp_path, *words)
 
 
 @pytest.mark.parametrize("script", ALL, ids=lambda s: s.stem)
@@ -103,29 +89,6 @@ def test_unwritable_run_folder_fails_at_start(script, tmp_path, monkeypatch, cap
     (tmp_path / "runs").write_text("a file where the runs folder should be")
     code = main_in_process(load_script(script), "--save-model", tmp_path=tmp_path, monkeypatch=monkeypatch)
     assert_refused_before_work(code, capsys, tmp_path, "runs/", started=True)
-
-
-@pytest.mark.parametrize("name", ["../../escape", "", "sweep/lr1", ".hidden", "..", "a\\b", "tab\there"])
-def test_exp_name_must_be_a_plain_file_name(name, tmp_path, monkeypatch, capsys):
-    code = main_in_process(load_script(DQN), "--exp-name", name, tmp_path=tmp_path, monkeypatch=monkeypatch)
-    assert_refused(code, capsys, "--exp-name")
-    assert not (tmp_path / "runs").exists()
-
-
-@pytest.mark.parametrize("value", ["nan", "-5", "inf", "0"])
-@pytest.mark.parametrize("script", DISTRIBUTED, ids=lambda s: s.stem)
-def test_dist_timeout_must_be_finite_and_positive(script, value, tmp_path, monkeypatch, capsys):
-    code = main_in_process(load_script(script), "--dist-timeout", value, tmp_path=tmp_path, monkeypatch=monkeypatch)
-    assert_refused(code, capsys, "--dist-timeout")
-    assert not (tmp_path / "runs").exists()
-
-
-@pytest.mark.parametrize("seed", [4294967295, 2**31 - 5, -1])
-@pytest.mark.parametrize("script", ALL, ids=lambda s: s.stem)
-def test_every_derived_seed_stays_below_2_31(script, seed, tmp_path, monkeypatch, capsys):
-    code = main_in_process(load_script(script), "--seed", seed, tmp_path=tmp_path, monkeypatch=monkeypatch)
-    assert_refused(code, capsys, "--seed", "2**31")
-    assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.parametrize("world_size", [1, 4])
@@ -144,8 +107,7 @@ def test_num_seeds_beyond_the_open_file_limit_is_refused_first(script, tmp_path,
     """Each seed holds files open: refused before any folder or big allocation (or by a script's memory check)."""
     with open_file_limit(1024):
         code = main_in_process(load_script(script), "--num-seeds", 100_000, tmp_path=tmp_path, monkeypatch=monkeypatch)
-    assert_refused(code, capsys, "--num-seeds")
-    assert not (tmp_path / "runs").exists()
+    assert_refused_before_work(code, capsys, tmp_path, "--num-seeds")
 
 
 def test_the_open_file_check_counts_files_per_seed(capsys):
@@ -211,20 +173,12 @@ def test_a_malformed_checkpoint_is_one_line(script, tmp_path, monkeypatch, capsy
         assert_refused(code, capsys, f"{name}.pt", *words)
 
 
-@pytest.mark.parametrize(
-    "script,argv,words",
-    [
-        (DQN, ["--env-id", "NoSuchEnv-v0"], ["NoSuchEnv-v0"]),
-        (DQN, ["--buffer-size", 10**13], ["--buffer-size"]),
-        (DQN, ["--load-model", "other.pt"], ["other.pt"]),
-        (DQN_LEAN, ["--env-id", "NoSuchEnv-v0"], ["NoSuchEnv-v0"]),
-        (pair("sac_continuous_action")[0], ["--env-id", "CartPole-v1"], ["CartPole-v1"]),
-    ],
-    ids=lambda x: getattr(x, "stem", None),
-)
-def test_a_refusal_leaves_no_run_folder(script, argv, words, tmp_path, monkeypatch, capsys):
+# Env ids that cannot be made: test_faults_scripts.py and test_pairs.py.
+@pytest.mark.parametrize("argv", [["--buffer-size", 10**13], ["--load-model", "other.pt"]], ids=["memory", "other-pairs"])
+def test_a_refusal_leaves_no_run_folder(argv, tmp_path, monkeypatch, capsys):
     torch.save({"algorithm": "other", "env_id": "CartPole-v1", "model": {}}, tmp_path / "other.pt")
-    code = main_in_process(load_script(script), *argv, tmp_path=tmp_path, monkeypatch=monkeypatch)
+    words = [argv[0] if argv[0] == "--buffer-size" else argv[1]]
+    code = main_in_process(load_script(DQN), *argv, tmp_path=tmp_path, monkeypatch=monkeypatch)
     assert_refused(code, capsys, *words)
     assert no_run_folder(tmp_path), list((tmp_path / "runs").rglob("*"))
 
@@ -265,8 +219,7 @@ def test_a_file_that_is_not_this_pairs_checkpoint_is_one_line(script, tmp_path, 
 
 @pytest.mark.parametrize("script", ALL, ids=lambda s: s.stem)
 def test_only_finite_weights_are_saved(script, tmp_path, monkeypatch, capsys):
-    """The end keeps the current weights if finite, else the last finite ones of a log point, else saves nothing and
-    says so; after a non-finite loss it keeps the last good ones and exits 1."""
+    """The end saves finite weights only (else the last finite ones, else none); a non-finite loss exits 1."""
     monkeypatch.chdir(tmp_path)
     args = tiny_args(script, "--save-model")
     net = torch.nn.Linear(2, 2)
@@ -333,8 +286,7 @@ def test_signal_during_evaluation_still_prints_the_summary(script, signum, workd
 
 @pytest.mark.parametrize("script", PLAIN, ids=lambda s: s.stem)
 def test_ctrl_c_while_setting_up_is_an_interrupted_run(script, workdir):
-    """A Ctrl-C while the optimizer is built (the run exists, its loop not yet) is acted on where the loop starts:
-    summary, exit 130, no traceback, no checkpoint of untrained weights."""
+    """A Ctrl-C before the loop: summary, exit 130, no traceback, no untrained checkpoint."""
     before = (
         "import os, signal, torch.optim\n"
         "signal.signal(signal.SIGINT, signal.default_int_handler)\n"

@@ -1,5 +1,4 @@
-"""Every script from a glob: a budget that trains nothing, evaluation only, rollouts against memory, env ids that
-cannot be made, torchrun's bad input and Ctrl-C, Ctrl-C before the run, a PPO run that blows up."""
+"""Every script: no-update budgets, evaluation only, memory, unmakeable envs, torchrun faults, Ctrl-C, blow-ups."""
 
 import os
 import shlex
@@ -30,20 +29,14 @@ import leanrl_utils
 
 ALL = scripts("*.py")
 OFF_POLICY = [s for s in ALL if family(s) in ("dqn", "dqn_atari_envpool", "sac_continuous_action", "td3_continuous_action")]
-ROLLOUT = [
-    s
-    for s in ALL
-    if family(s)
-    in ("ppo", "ppo_continuous_action", "ppo_atari_envpool", "pqn", "pqn_atari_envpool", "pqn_torchenv", "ppo_torchenv")
-]
+ROLLOUT = [s for s in ALL if s not in OFF_POLICY]  # PPO and PQN
 ATARI = [s for s in ALL if family(s).endswith("_envpool")]
 TORCH_ENVS = [s for s in ALL if family(s).endswith("_torchenv")]  # leanrl_envs only
 GYM = [s for s in ALL if s not in ATARI + TORCH_ENVS]
 
 
 def refused(script, *argv, tmp_path, monkeypatch, capsys):
-    """The script's main in process at its tiny settings plus `argv` refused (exit 2, one line, returned) before its
-    Run exists and with peak memory within 1 GiB."""
+    """The script's main refused (exit 2, one line, returned) before its Run exists and within 1 GiB of memory."""
     module = load_script(script)
 
     def started(*args, **kwargs):
@@ -112,8 +105,7 @@ BAD_ENVS = {
 BAD_GAMES = {"unknown": ("NoSuchGame-v5", ["unknown Atari id"]), "not-a-game": ("CartPole-v1", ["unknown Atari id"])}
 
 
-# (script, env id, words the line must hold): every gymnasium script with BAD_ENVS, every Atari one with BAD_GAMES,
-# every torch-native one with BAD_ENVS' ids, refused naming the envs it has.
+# (script, env id, words): gymnasium, Atari and torch-native scripts each with the ids they cannot make.
 UNMAKEABLE = (
     [(s, *BAD_ENVS[case]) for s in GYM for case in BAD_ENVS]
     + [(s, *BAD_GAMES[case]) for s in ATARI for case in BAD_GAMES]
@@ -134,9 +126,7 @@ def test_env_that_cannot_be_made_is_one_line_before_the_run_folder(script, env_i
         assert word in error, error
 
 
-# Python source run before the script: a real SIGINT arrives at a point after leanrl_utils is
-# imported and before the run exists. Ctrl-C as from a terminal: a pytest-xdist worker ignores
-# SIGINT, and its children inherit that.
+# A real SIGINT (as from a terminal: xdist workers ignore it) after leanrl_utils's import, before the run exists.
 TERMINAL = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
 CTRL_C_BEFORE_THE_RUN = {
     "parsing-flags": TERMINAL + "import os, signal, time, tyro\n"
@@ -179,17 +169,18 @@ def test_unknown_or_malformed_flag_keeps_tyros_box_as_the_readme_says(argv, work
     assert "keeps tyro's boxed usage message" in " ".join((ROOT / "README.md").read_text().split())
 
 
-@pytest.mark.parametrize(
-    "argv, words",
-    [
-        (["--learning-rate", "nan"], ["--learning-rate nan"]),
-        (["--total-timesteps", "64"], ["--total-timesteps 64", "2 ranks = 128"]),
-        (["--env-id", "NoSuchEnv-v0"], ["NoSuchEnv-v0", "unknown"]),
-    ],
-    ids=["flag-rule", "batch-rule", "unknown-env"],
-)
-def test_bad_input_under_torchrun_is_one_line_from_rank_0(argv, words, workdir):
+TORCHRUN_BAD = {
+    "flag-rule": (["--learning-rate", "nan"], ["--learning-rate nan"]),
+    "batch-rule": (["--total-timesteps", "64"], ["error: --total-timesteps 64 is less than one batch (num_envs * num_steps"
+                                                 " * 2 ranks = 128): give at least 128"]),
+    "unknown-env": (["--env-id", "NoSuchEnv-v0"], ["NoSuchEnv-v0", "unknown"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", TORCHRUN_BAD)
+def test_bad_input_under_torchrun_is_one_line_from_rank_0(case, workdir):
     """Rank 0 fails 3 s after rank 1: rank 1 must not exit first and cut rank 0's line."""
+    argv, words = TORCHRUN_BAD[case]
     script = scripts("ppo_continuous_action_torchcompile.py")[0]
     slow_rank_0 = "import os, time\nif os.environ['LOCAL_RANK'] == '0': time.sleep(3)"
     proc = torchrun(script, *TINY[family(script)], *argv, cwd=workdir, before=slow_rank_0)
@@ -202,8 +193,7 @@ def test_bad_input_under_torchrun_is_one_line_from_rank_0(argv, words, workdir):
     assert not (workdir / "runs").exists()
 
 
-# Python source run before the script on each rank: right after the terminal's Ctrl-C, torchrun's
-# own SIGINT reaches the rank (torchrun forwards the signal it got), while the rank ends its loop.
+# Each rank: torchrun's forwarded SIGINT arrives while the rank ends its loop after the terminal's Ctrl-C.
 FORWARDED = """
 import os, signal, time, leanrl_utils
 checkpoint = leanrl_utils.Run.checkpoint
@@ -225,16 +215,11 @@ def test_ctrl_c_to_the_torchrun_group_saves_and_exits_130(workdir):
     wrapper = f'{shlex.quote(sys.executable)} -c "$LEANRL_TEST_SOURCE" "$@"; echo $? > "status$RANK"'
     err_path = workdir / "stderr.txt"
     with open(err_path, "w") as err_file:
-        proc = subprocess.Popen(
-            [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "--no-python", "bash", "-c", wrapper, "bash"]
-            + [str(script), *argv],
-            cwd=workdir,
-            stdout=subprocess.PIPE,
-            stderr=err_file,
-            text=True,
-            start_new_session=True,  # its own process group, as a terminal's foreground job
-            env=script_env(LEANRL_TEST_SOURCE=script_command(script, before=FORWARDED)[2]),
-        )
+        command = [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "--no-python", "bash", "-c", wrapper, "bash"]
+        env = script_env(LEANRL_TEST_SOURCE=script_command(script, before=FORWARDED)[2])
+        # start_new_session: its own process group, as a terminal's foreground job
+        options = dict(cwd=workdir, stdout=subprocess.PIPE, stderr=err_file, text=True, start_new_session=True, env=env)
+        proc = subprocess.Popen([*command, str(script), *argv], **options)
         deadline = time.monotonic() + 300
         while "sps=" not in err_path.read_text() and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.5)  # the first log point: the ranks are in their training loop

@@ -79,8 +79,7 @@ def test_merge_makes_one_table_from_parts_and_takes_a_redone_run_from_the_last(l
     """Parts merge into one table and plot, a redone run replacing the earlier; bad merges are one line, exit 2."""
     parts = []
     for part, seeds in enumerate(([1, 2], [3])):
-        folder = tmp_path / f"part{part}"
-        folder.mkdir()
+        (folder := tmp_path / f"part{part}").mkdir()
         rows = [
             {"pair": "td3_continuous_action", "side": side, "seed": s, "env_id": "HalfCheetah-v5", "total_steps": 1000,
              "episodic_return": 10.0 * s + (1 if side == "lean" else 0), "curve": [[500, 1.0, 0.0], [1000, 2.0, 10.0 * s]]}
@@ -91,8 +90,9 @@ def test_merge_makes_one_table_from_parts_and_takes_a_redone_run_from_the_last(l
         parts.append(str(folder))
     out = tmp_path / "merged"
     assert learning.main(["--merge", *parts, parts[0], "--out", str(out)]) == 0
-    table = (out / "table.md").read_text()
-    assert table.startswith("Machine: CPU 0, 2 cores and CPU 1, 2 cores; torch ")  # where the parts ran, each once
+    assert (
+        (out / "table.md").read_text().startswith("Machine: CPU 0, 2 cores and CPU 1, 2 cores; torch ")
+    )  # where the parts ran, each once
     assert learning.main(["--merge", *parts, "--out", str(out)]) == 0
     table = (out / "table.md").read_text()
     assert "20.0 ± 10.0 (n=3)" in table and "21.0 ± 10.0 (n=3)" in table and "Seeds: 1-3 (every pair run)." in table
@@ -100,8 +100,7 @@ def test_merge_makes_one_table_from_parts_and_takes_a_redone_run_from_the_last(l
     assert "(profile `quick`" in table  # 1,000 steps is nearer TD3's quick budget than its full one
     assert len((out / "results.jsonl").read_text().splitlines()) == 6
     assert (out / "learning.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    redone = tmp_path / "redone"
-    redone.mkdir()
+    (redone := tmp_path / "redone").mkdir()
     (redone / "results.jsonl").write_text(
         json.dumps({**rows[1], "seed": 1, "episodic_return": 41.0}) + "\n"
     )  # lean seed 1: 11 -> 41
@@ -110,12 +109,10 @@ def test_merge_makes_one_table_from_parts_and_takes_a_redone_run_from_the_last(l
     assert "31.0 ± 10.0 (n=3)" in table and "taken from it: 1" in table
     assert len((out / "results.jsonl").read_text().splitlines()) == 6
     capsys.readouterr()
-    longer = tmp_path / "longer"
-    longer.mkdir()
+    (longer := tmp_path / "longer").mkdir()
     (longer / "results.jsonl").write_text(json.dumps({**rows[0], "seed": 9, "total_steps": 2000}) + "\n")
     for argv in ([str(tmp_path / "nothing")], [parts[0], str(longer)], [parts[0], "--quick"], [parts[0], "--sides", "lean"]):
         with pytest.raises(SystemExit) as stop:
             learning.main(["--merge", *argv, "--out", str(tmp_path / "again")])
-        assert stop.value.code == 2
         err = capsys.readouterr().err
-        assert err.startswith("error: ") and err.count("\n") == 1
+        assert stop.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1

@@ -1,5 +1,4 @@
-"""`--num-seeds N` in the lean DQN, PQN and PPO scripts: stacked updates against single-seed ones, independent
-seeds, runs with a folder, checkpoint and wandb run per seed, bad input, every seed learning (not on Atari)."""
+"""`--num-seeds N`: stacked updates against single ones, independent seeds, per-seed runs, bad input, learning."""
 
 import copy
 import csv
@@ -48,9 +47,8 @@ def compiled_as_main(update, module, compiled, fullgraph=True, cpp_wrapper=False
     return torch.compile(update, fullgraph=fullgraph, options=options) if compiled else update
 
 
-def changed_indices(idx):
-    """Seed 1's minibatch indices changed, the other seeds' kept."""
-    return [torch.cat([i[:1], i[1:2].flip(1) // 2, i[2:]]) for i in idx]
+# Seed 1's minibatch indices changed, the other seeds' kept.
+changed_indices = lambda idx: [torch.cat([i[:1], i[1:2].flip(1) // 2, i[2:]]) for i in idx]
 
 
 def dqn_case(lean, change=None):
@@ -72,9 +70,10 @@ def dqn_case(lean, change=None):
     return nets, targets, storages, changed_indices(batches) if change == "batch" else batches
 
 
-def dqn_stacked(lean, nets, targets, storages):
-    """The script's --num-seeds set-up (`dqn_learner`), the storage as [buffer_size, seeds, ...]."""
-    return dqn_learner(lean, nets, targets, {key: torch.stack([s[key] for s in storages], dim=1) for key in storages[0]})
+# The script's --num-seeds set-up (`dqn_learner`), the storage as [buffer_size, seeds, ...].
+dqn_stacked = lambda lean, nets, targets, storages: dqn_learner(
+    lean, nets, targets, {key: torch.stack([s[key] for s in storages], dim=1) for key in storages[0]}
+)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -115,16 +114,7 @@ def test_each_seed_stores_its_own_sub_envs(lean, tmp_path, monkeypatch):
     assert ended > 0
 
 
-def seed_dirs(workdir):
-    return sorted((Path(workdir) / "runs").iterdir(), key=lambda d: int(d.name.split("__")[2]))
-
-
-@pytest.mark.parametrize("script", ["dqn", "pqn"])
-def test_track_makes_one_wandb_run_per_seed(script, workdir):
-    argv = [*TINY[script], "--num-seeds", 2, "--track"]
-    summary, _ = run_script(pair(script)[1], *argv, cwd=workdir, env={"WANDB_MODE": "offline"})
-    assert summary["updates"] > 0
-    assert len(list((Path(workdir) / "wandb").glob("offline-run-*"))) == 2
+seed_dirs = lambda workdir: sorted((Path(workdir) / "runs").iterdir(), key=lambda d: int(d.name.split("__")[2]))
 
 
 @pytest.mark.parametrize("script", ["dqn", "pqn"])
@@ -190,8 +180,7 @@ def moved_agent(module):
     return agent
 
 
-# Per script: its fixture, seeds, agent, rollout, batch and minibatch sizes, minibatch steps, more Args (a small
-# max_grad_norm where the vmapped clipping must bite), the first layer's weight, a change to one seed's rollout.
+# Per script: fixture, seeds, agent, rollout, sizes, steps, Args (clipping that bites), first weight, a change.
 PPO_SCRIPTS = {
     "ppo-continuous": dict(fixture="ppo", seeds=N, agent=moved_agent, rollout=ppo_rollout(4, 2), batch=64, minibatch=16,
                            steps=4, args={}, first=lambda a: a.critic[0].weight, change=lambda r: (*r[:3], r[3] + 1, *r[4:])),
@@ -355,8 +344,7 @@ def test_ppo_atari_finished_games_go_to_their_seeds_run(atari):
 
 
 def record_rollouts(module, env_class, factory, monkeypatch):
-    """Records, as a run goes, the observations `env_class` returns (reset's, then each step's), the actions
-    it is given, and the batch (the arguments before the indices) of every call of the update `factory` makes."""
+    """Records the observations and actions of `env_class` and each update's batch as a run goes."""
     observations, actions, batches, make_update = [], [], [], getattr(module, factory)
     spy(monkeypatch, env_class, "reset", lambda out, self, **kwargs: observations.append(out[0].copy()))
     spy(monkeypatch, env_class, "step", lambda out, self, a: (actions.append(np.array(a)), observations.append(out[0].copy())))
@@ -411,9 +399,7 @@ def test_pqn_seed_k_starts_as_a_single_run_of_seed_k(pqn, tmp_path, monkeypatch)
     np.testing.assert_array_equal(obs[0][2:], obs[1])
 
 
-# Per script: its extra arguments, env steps per seed, updates (None: some), and the network in its checkpoints with its
-# first layer's name and shape. PPO continuous: 2 envs (its checkpoints carry their observation statistics); Atari:
-# 16 iterations of 2 envs x 32 steps, enough for a game to end in each seed's envs.
+# Per script: extra arguments, steps and updates (None: some) per seed, its checkpoint's network and first layer.
 Q_NETWORK = ("q_network", "network.0.weight", (120, 4))
 TWO_SEEDS = {
     "dqn": (PATH, [], 400, None, Q_NETWORK),
@@ -434,13 +420,12 @@ TWO_SEEDS = {
 @pytest.mark.parametrize("mode", [[], ["--compile"]], ids=["eager", "compile"])
 @pytest.mark.parametrize("script", TWO_SEEDS)
 def test_two_seeds_run_with_a_folder_each(script, mode, workdir):
-    """Seeds 5 and 6: a folder each (one time stamp) whose curve ends at the last step, per-seed returns and
-    evaluations, averaged. Eager, seed 6's checkpoint holds its own network (and observation statistics), and
-    the single-seed script evaluates it as seed 6 to the return the two-seed run reported for it."""
+    """Seeds 5 and 6: a folder, curve, return, checkpoint (and wandb run) each; seed 6's evaluates alone as reported."""
     path, extra, steps, updates, (network, first, shape) = TWO_SEEDS[script]
-    save = [] if mode else ["--save-model"]
-    argv = [*TINY[family(path)], *mode, *extra, *save, "--num-seeds", 2, "--seed", 5, "--eval-episodes", 1]
-    summary, _ = run_script(path, *argv, cwd=workdir)
+    save, track = ([], []) if mode else (["--save-model"], ["--track"] if script in ("dqn", "pqn") else [])
+    argv = [*TINY[family(path)], *mode, *extra, *save, *track, "--num-seeds", 2, "--seed", 5, "--eval-episodes", 1]
+    summary, _ = run_script(path, *argv, cwd=workdir, env={"WANDB_MODE": "offline"})
+    assert len(list((Path(workdir) / "wandb").glob("offline-run-*"))) == 2 * len(track)  # a wandb run per seed
     assert (
         summary["num_seeds"] == 2
         and summary["total_steps"] == steps
@@ -496,8 +481,7 @@ def test_bad_num_seeds_is_one_line(case, tmp_path, monkeypatch, capsys):
     refused_in_process(load_script(path), *argv, words=words, tmp_path=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
 
 
-# Per script: the single-seed learning test's run (its arguments, budget per seed, threshold). PQN: CleanRL's full
-# budget; 200 (random play gets about 22), not the single-seed 475: of 180 lean runs, 21 end below 475, 2 below 200.
+# Per script: the single-seed learning run (arguments, budget per seed, threshold; PQN's 200: 2 of 180 runs below).
 LEARNS = {
     "dqn-cartpole": (PATH, [*LEARNING, "--compile"], 30_000, LEARNING_THRESHOLD),
     "ppo-inverted-pendulum": (PPO_PATH, [*PPO_LEARNING["ppo_continuous_action"][0], "--seed", 1, "--compile"], 40_960,
@@ -510,8 +494,7 @@ LEARNS = {
 @pytest.mark.learning
 @pytest.mark.parametrize("task", LEARNS)
 def test_every_seed_of_four_learns(task, workdir):
-    """Each of 4 seeds trained at once reaches the single-seed test's threshold on its budget per seed (seen: DQN
-    187.6-231.2 against 100; PPO 977.2-1000 against 500; PQN 500 against 200, on the torch-native CartPole too)."""
+    """Each of 4 seeds trained at once reaches the single-seed test's threshold on its budget per seed."""
     path, argv, steps, threshold = LEARNS[task]
     summary, _ = run_script(path, *argv, "--num-seeds", 4, cwd=workdir, timeout=1800)
     print("per-seed returns:", summary["episodic_returns"])

@@ -1,5 +1,4 @@
-"""What every pair has: on the same random draws the plain script and its lean twin make the same run; the epsilon
-schedules at their end points; bad input ends in one line."""
+"""What every pair has: the same run on the same draws, the epsilon schedules' end points, bad input in one line."""
 
 import numpy as np
 import pytest
@@ -70,8 +69,7 @@ class GumbelCategorical(torch.distributions.Categorical):
 
 
 def ppo_atari_draws(plain, lean, monkeypatch):
-    """Atari PPO: Gumbel-max actions, the unused bootstrap noise, minibatch orders, channels-last frames in the update
-    (else a cancelling gradient sum drifts 5% in 32 Adam steps)."""
+    """Atari PPO: Gumbel-max actions, the unused bootstrap noise, minibatch orders, channels-last frames in the update."""
     monkeypatch.setattr(plain, "Categorical", GumbelCategorical)
     monkeypatch.setattr(plain.np.random, "shuffle", shuffle_as_lean)
     get_value, get_action_and_value = plain.Agent.get_value, plain.Agent.get_action_and_value
@@ -92,10 +90,7 @@ def ppo_atari_draws(plain, lean, monkeypatch):
 ROLLOUTS = dict(num_envs=4, num_steps=64, total_timesteps=1024, num_minibatches=4, update_epochs=2)
 GYM_PPO = dict(num_envs=2, num_steps=64, total_timesteps=512, num_minibatches=2, update_epochs=2)
 OFF_POLICY = dict(learning_starts=64, batch_size=32, buffer_size=1000)
-# Per case: the family, the run's Args, how the plain script is made to draw as the lean one, the log
-# points, the logged names besides METRICS, and the weights' atol where rounding grows (Adam or RAdam turn
-# it into up to 2% of a step in a few of a million weights). SAC and TD3 stay short: at step 134 rounding
-# moves TD3's actor 6e-8 -> 2e-5 apart, and longer SAC runs drift once a ReLU input flips sign.
+# Per case: family, Args, how plain draws as lean, log points, logged names besides METRICS, the weights' atol.
 SAME_RUN = {
     # 2,000 steps, 300 updates: epsilon-greedy actions, stored transitions, minibatches, Adam, target copies
     "dqn": ("dqn", dict(total_timesteps=2000, learning_starts=500, train_frequency=5, target_network_frequency=100,
@@ -163,8 +158,7 @@ def test_epsilon_schedule_end_points_in_both_scripts(family):
     assert plain.linear_schedule(1.0, args.end_e, 0, 0) == lean.linear_schedule(1.0, args.end_e, 0, 0) == args.end_e
 
 
-# Per family: each case's argv and the words of its one line, at TINY's settings (PQN's batch is 2 envs x 64
-# steps = 128, PPO's 128 on CartPole and 64 on MuJoCo; the Atari rollouts' 2 envs x 16 steps = 32).
+# Per family: each case's argv and the words of its one line, at TINY's settings.
 BAD_INPUT = {
     "dqn": {"continuous": (["--env-id", "Pendulum-v1"], ["Pendulum-v1", "discrete"])},
     "dqn_atari_envpool": {

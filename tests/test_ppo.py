@@ -1,5 +1,4 @@
-"""PPO pair (discrete actions), its own behaviours: the policy's inverse-CDF draw against the module's softmax, every
-form of the networks derived from the module (also changed, or its forward edited). Shared: test_ppo_family.py."""
+"""PPO pair (discrete actions): the policy's draws against the softmax, the networks' derived forms (also changed)."""
 
 import numpy as np
 import pytest
@@ -26,8 +25,7 @@ def edited_forward(lean, op=torch.tanh):
 
 @pytest.mark.parametrize("host", [True, False], ids=["numpy", "torch"])
 def test_policy_samples_the_softmax_and_sees_every_update(lean, host):
-    """Both acting paths give the critic's values, draws from the actor's softmax (20,000: standard errors under 0.004)
-    and their log-probabilities, at the agent's current weights."""
+    """Both policies give the critic's values and softmax draws with their log-probabilities."""
     torch.manual_seed(0)
     agent = lean.Agent(N_OBS, N_ACT)
     with torch.no_grad():
@@ -57,8 +55,7 @@ def test_policy_samples_the_softmax_and_sees_every_update(lean, host):
 @pytest.mark.parametrize("num_seeds", [1, 3], ids=["1seed", "3seeds"])
 @pytest.mark.parametrize("host", [True, False], ids=["numpy", "torch"])
 def test_changed_network_is_followed_by_every_derived_form(lean, host, num_seeds, edit):
-    """With Agent changed or its forward edited, both policies, one seed or stacked, give each seed's values,
-    inverse-CDF actions on their own uniforms (replayed) and log-probabilities, also after an in-place step."""
+    """With Agent changed or its forward edited, both policies act as each seed's module."""
     torch.manual_seed(0)
     agents = [(changed_agent if edit == "layers" else edited_forward)(lean)(6, 4) for _ in range(num_seeds)]
     params, policy, rng, obs, exact = stacked_policy(lean, agents, host)

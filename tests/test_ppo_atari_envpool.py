@@ -1,5 +1,4 @@
-"""PPO on Atari (envpool): the update (lean against plain, compiled, reset steps masked), GAE, sampling, whole-game
-returns over lives, --target-kl in both scripts, a changed network, the envpool extra. No learning test (hours)."""
+"""PPO on Atari (envpool): the update, GAE, sampling, whole games, --target-kl, a changed network, the envpool extra."""
 
 import copy
 import functools
@@ -221,8 +220,7 @@ def other_agent(lean):
 
 @pytest.mark.parametrize("num_seeds", [1, 3])
 def test_a_changed_network_acts_as_the_module_does(lean, monkeypatch, num_seeds):
-    """The policy of a changed Agent gives each seed's value, and its logits' action and log-probability under the same
-    Gumbel noise: bit for bit for one seed (stacked: grouped convolutions). Atari has no numpy acting."""
+    """A changed Agent's policy gives each seed's value, action and log-probability (one seed: exact)."""
     monkeypatch.setattr(lean, "Agent", other_agent(lean))
     torch.manual_seed(0)
     agents = [lean.Agent(4) for _ in range(num_seeds)]
@@ -246,8 +244,7 @@ def test_a_changed_network_acts_as_the_module_does(lean, monkeypatch, num_seeds)
 
 @pytest.mark.parametrize("num_seeds", [1, 2])
 def test_a_changed_network_trains_each_seed_on_its_own(lean, monkeypatch, tmp_path, capsys, num_seeds):
-    """The update of a changed Agent takes each seed's own unstacked step (one seed bit for bit), and a --num-seeds run
-    saves each seed's changed agent."""
+    """A changed Agent's update takes each seed's own step; a --num-seeds run saves each agent."""
     monkeypatch.setattr(lean, "Agent", other_agent(lean))
     torch.manual_seed(0)
     args = lean.Args(max_grad_norm=0.05)
@@ -296,8 +293,7 @@ class ScriptedAtari(gym.vector.VectorEnv):
 
 @pytest.mark.parametrize("script", PAIR, ids=lambda s: s.stem)
 def test_returns_count_whole_games_over_lives(script):
-    """Lost lives end episodes, not the game: its raw return over all lives is charted once, when envpool says the game
-    is over; a truncation ends the game too (leanrl_utils' `Run.episodes`)."""
+    """Lost lives end episodes, not the game: a game's raw return is charted once, at its end."""
     assert load_script(script).vector.envpool_envs is leanrl_utils.vector.envpool_envs
     #        (reward, terminated, truncated, lives, game over)
     steps = [
@@ -324,9 +320,7 @@ def test_returns_count_whole_games_over_lives(script):
     ]
 
 
-# The log-ratio per minibatch (approx_kl = exp(c) - 1 - c), --target-kl 0.01, 2 minibatches an epoch: iteration 1 sees
-# 0.050, 0.001 (the mean is over the target, the last is not: go on), 0.001, 0.021 (stop after 4 updates); iteration 2
-# 0.001, 0.015 (stop after 2). The epoch mean would give 2 + 2 updates, no check 16.
+# Log-ratios per minibatch: the last minibatch's approx_kl stops after 4 then 2 updates (the mean: 2 + 2).
 LOGRATIOS, TARGET_KL = [0.3, 0.045, 0.045, 0.2, 0.045, 0.17], 0.01
 
 
@@ -336,8 +330,7 @@ def approx_kl(c):
 
 
 def test_target_kl_stops_both_scripts_at_the_same_epoch(plain, lean, monkeypatch, tmp_path, capsys):
-    """Fed the same approx_kl per minibatch, both scripts stop at the epoch whose LAST minibatch's exceeds it, and log
-    that value."""
+    """Fed the same approx_kl, both scripts stop after the epoch whose last minibatch's exceeds it."""
     monkeypatch.chdir(tmp_path)
     args = dict(TINY_ARGS, update_epochs=4, target_kl=TARGET_KL)
     expected = [(4, approx_kl(0.2)), (6, approx_kl(0.17))]  # (updates, logged approx_kl) per iteration

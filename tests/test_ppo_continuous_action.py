@@ -1,6 +1,4 @@
-"""PPO pair (continuous actions), its own behaviours: batched normalization against the plain per-env wrappers, the
-Gaussian policy, every derived form of the networks (also changed), checkpoints carrying the observation statistics
-across the pair. Shared: test_ppo_family.py."""
+"""PPO pair (continuous actions): normalization, the Gaussian policy, derived forms, checkpoints with statistics."""
 
 import gymnasium as gym
 import numpy as np
@@ -45,8 +43,7 @@ gym.register("LeanRLScripted-v0", entry_point=ScriptedEnv)
 
 @pytest.mark.parametrize("num_envs", [1, 3])
 def test_normalization_is_the_plain_wrappers(plain, lean, num_envs):
-    """The plain per-env wrappers and the lean `Normalization` give the same normalized obs, rewards, clipped actions
-    and statistics (values 1e-6; statistics 1e-12, the variance 1e-8: gymnasium's first update is float32)."""
+    """The lean `Normalization` gives the plain wrappers' obs, rewards, actions and statistics."""
     args = lean.Args(env_id="LeanRLScripted-v0", num_envs=num_envs)
     plain_envs = plain.make_envs(args, "plain", num_envs)
     lean_envs = lean.make_envs(args, "lean", num_envs)
@@ -106,8 +103,7 @@ def test_normalization_loads_fewer_envs_and_freezes(lean):
 
 @pytest.mark.parametrize("host", [True, False], ids=["numpy", "torch"])
 def test_policy_acts_from_the_agent_and_sees_every_update(lean, host):
-    """Both acting paths give the critic's values and a Gaussian action around the actor's mean with its
-    log-probability, at the agent's current weights."""
+    """Both policies give the critic's values and Gaussian actions with their log-probabilities."""
     torch.manual_seed(0)
     agent = lean.Agent(5, 3)
     agent.actor_logstd.data.fill_(-0.5)
@@ -139,8 +135,7 @@ def module_acting(agents, obs):
 @pytest.mark.parametrize("num_seeds", [1, 3], ids=["1seed", "3seeds"])
 @pytest.mark.parametrize("host", [True, False], ids=["numpy", "torch"])
 def test_changed_network_is_followed_by_every_derived_form(lean, host, num_seeds):
-    """With Agent changed, both policies, one seed or stacked, give each seed's values and actions (its own noise
-    replayed) with their densities, also after an in-place step. One seed in torch: bit for bit."""
+    """With Agent changed, both policies act as each seed's module (its noise replayed)."""
     torch.manual_seed(0)
     agents = [changed_agent(lean)(6, 2) for _ in range(num_seeds)]
     for k, agent in enumerate(agents):
@@ -162,8 +157,7 @@ def test_changed_network_is_followed_by_every_derived_form(lean, host, num_seeds
 
 
 def test_changed_network_acts_as_the_module_in_a_whole_run(lean, monkeypatch, tmp_path):
-    """A 2-seed run with a changed Agent: every (numpy) policy call gives each seed's changed critic's value and its
-    Gaussian's log-probability at its current weights; each checkpoint holds the change."""
+    """A 2-seed run with a changed Agent acts as each seed's module at its weights, and saves it."""
     make_policy, weights = lean.make_policy, []
 
     def checked_make_policy(agent, params, num_seeds, host, seed=0):
@@ -198,8 +192,7 @@ def test_changed_network_acts_as_the_module_in_a_whole_run(lean, monkeypatch, tm
 
 
 def test_checkpoints_carry_observation_statistics_across_the_pair(workdir):
-    """Each script's checkpoint holds the agent and observation statistics as tensors, under the same names; either
-    script evaluates either checkpoint to the same return."""
+    """Checkpoints hold agent and statistics; either script evaluates either alike."""
     saved, evaluate = {}, [*TINY[FAMILY], "--total-timesteps", "0", "--eval-episodes", "2"]
     for path in BOTH:
         summary, _ = run_script(path, *TINY[FAMILY], "--save-model", cwd=workdir)

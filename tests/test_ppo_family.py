@@ -1,5 +1,4 @@
-"""Both gym PPO pairs, one test each: the update (lean against plain, compiled, a stack of one), GAE, --target-kl, a
-layer numpy cannot follow, determinism, learning. Each pair's own: test_ppo*.py; every pair's: test_pairs.py."""
+"""Both gym PPO pairs: the update, GAE, --target-kl, numpy refusals, determinism, learning."""
 
 import copy
 import csv
@@ -31,8 +30,7 @@ N_OBS, N_ACT, BATCH, MINIBATCH = {"ppo": 4, "ppo_continuous_action": 11, "ppo_to
 
 
 def discrete_batch(g, n_obs=4, n_act=N_ACT, n=BATCH):
-    """A rollout: obs, actions, old log-probabilities near log(1/3) (some ratios leave the clip range), advantages,
-    returns, values."""
+    """A rollout: obs, actions, old log-probabilities near log(1/3), advantages, returns, values."""
     logprobs = torch.randn(n, generator=g) * 0.3 - np.log(n_act)
     obs, actions = torch.randn(n, n_obs, generator=g), torch.randint(0, n_act, (n,), generator=g)
     return obs, actions, logprobs, *(torch.randn(n, generator=g) for _ in range(3))
@@ -66,8 +64,7 @@ def changed_agent(lean, activation=nn.ReLU):
 
 
 def stacked_policy(lean, agents, host):
-    """The agents stacked, the lean policy over them (numpy seed 5), that generator's twin, 64 obs of 6 per seed, and
-    the tolerance: one seed in torch bit for bit (the module's own ops), else 1e-5."""
+    """The agents stacked, their lean policy (numpy seed 5), its generator's twin, obs, and the tolerance."""
     params = leanrl_utils.seeds.stack(agents)
     policy = lean.make_policy(agents[0], dict(params.items()), len(agents), host, seed=5)
     exact = dict(rtol=0, atol=0) if len(agents) == 1 and not host else dict(rtol=1e-5, atol=1e-5)
@@ -92,8 +89,7 @@ def continuous_torch_act(agent, obs):
 
 
 def discrete_draws(plain, rng, monkeypatch):
-    """The plain script's Categorical draws as the lean CPU policy's (inverse CDF at numpy's float32 uniforms); returns
-    the draw the lean policy makes, unused, when it bootstraps."""
+    """The plain Categorical draws as the lean CPU policy's; returns the lean bootstrap's unused draw."""
 
     class Categorical(torch.distributions.Categorical):
         def sample(self, sample_shape=torch.Size()):
@@ -114,8 +110,7 @@ def continuous_draws(plain, rng, monkeypatch):
     return lambda agent, obs: rng.standard_normal((len(obs), agent.actor_logstd.shape[1]), dtype=np.float32)
 
 
-# Per family: its rollout batch, the update's Args (a small max_grad_norm makes the clipping bite), the actor's name,
-# what the torch policy acts, how the plain script is made to draw as the lean one, the whole-run test's env.
+# Per family: batch, Args (clipping that bites), actor's name, torch policy's acting, plain draws as lean, env.
 SPEC = {
     "ppo": dict(batch=discrete_batch, args=dict(max_grad_norm=0.05), actor="actor", torch_act=discrete_torch_act,
                 draws=discrete_draws, env_id="CartPole-v1"),
@@ -184,8 +179,7 @@ def plain_step(agent, optimizer, args, minibatch):
 
 
 def test_lean_update_is_the_plain_update(update_fam):
-    """4 lean steps (torch.func, clipping, fused functional Adam, lr annealed in place) give the plain steps' metrics and
-    parameters (rtol 1e-5), the clipping biting."""
+    """4 lean steps give the plain steps' metrics and parameters (rtol 1e-5), the clipping biting."""
     fam = update_fam
     torch.manual_seed(0)
     plain_agent, lean_agent = fam.plain.Agent(fam.n_obs, N_ACT), fam.lean.Agent(fam.n_obs, N_ACT)
@@ -242,8 +236,7 @@ def test_stack_of_one_update_is_the_one_agent_update(update_fam, changed):
 
 
 def test_layer_without_a_numpy_form_is_one_line(fam, monkeypatch, tmp_path, capsys):
-    """A layer numpy acting has no form for (GELU) is one `error:` line naming it, exit 2, from make_policy and from
-    main; the torch form follows the module as ever (bit for bit)."""
+    """GELU: one `error:` line from make_policy and main; the torch form follows the module."""
     gelu_agent = changed_agent(fam.lean, activation=nn.GELU)
     torch.manual_seed(0)
     agents = [gelu_agent(fam.n_obs, 2) for _ in range(2)]
@@ -294,9 +287,7 @@ def test_gae_matches_reference_loop(family):
     torch.testing.assert_close(advantages[-1, 0], rewards[-1, 0] - values[-1, 0])
 
 
-# --target-kl, the approx_kl of each (epoch, minibatch) scripted: epoch 0 ends below the target but averages above it,
-# epoch 1 ends above it. CleanRL's rule (the last minibatch's, after each epoch) stops after 2 epochs of 2 minibatches;
-# the epoch mean would stop after epoch 0, no rule after 4 epochs. Atari's is tested against its plain twin.
+# Scripted approx_kl: epoch 0 ends below the target but averages above it, epoch 1 ends above it: 2 epochs run.
 TARGET_KL, OFFSET = 1.0, 2.0  # a log-ratio offset of 2 gives approx_kl = e^2 - 1 - 2 = 4.39
 SCRIPTED = {(0, 0), (1, 1)}
 KL_ENVS = {"ppo": dict(num_envs=1), "ppo_continuous_action": dict(env_id="InvertedPendulum-v5")}
@@ -367,16 +358,16 @@ def test_same_seed_same_run(path, workdir):
     assert curves[0] == curves[1] and curves[0]
 
 
-# Mean of the last 10 episodes on seed 1 (held for both scripts on seeds 1-3): CartPole (max 500) in 100,000 env steps,
-# InvertedPendulum (max 1000) in 40 iterations of 1024 steps (about a minute per script here).
+# Mean of the last 10 episodes on seed 1 (held on seeds 1-3 for both scripts, the torch-native CartPole's too).
 LEARNING = {
     "ppo": (["--total-timesteps", "100000"], 150.0),
+    "ppo_torchenv": (["--total-timesteps", "100000"], 150.0),
     "ppo_continuous_action": ("--env-id InvertedPendulum-v5 --total-timesteps 40960 --num-steps 1024".split(), 500.0),
 }
 
 
 @pytest.mark.learning
-@pytest.mark.parametrize("path", PATHS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", [*PATHS, *pair("ppo_torchenv")], ids=lambda p: p.stem)
 def test_learns(path, workdir):
     argv, threshold = LEARNING[family(path)]
     extra = ["--compile"] if is_lean(path) else []

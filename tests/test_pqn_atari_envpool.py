@@ -1,5 +1,4 @@
-"""PQN on Atari (envpool): Q(lambda) returns under envpool's autoreset, the update (lean against plain,
-compiled against eager, reset steps masked), a changed network. No learning test (hours)."""
+"""PQN on Atari (envpool): returns under autoreset, the update, a changed network. No learning test (hours)."""
 
 import copy
 
@@ -14,8 +13,7 @@ FAMILY = "pqn_atari_envpool"
 
 
 def reference_returns(rewards, values, next_value, terminations, dones, gamma, q_lambda):
-    """Q(lambda) under envpool's autoreset: where an episode ended at t, values[t + 1] is still its last frame's, so
-    a truncation bootstraps from it; only the bootstrap is left where the episode or the rollout ends."""
+    """Q(lambda) under envpool's autoreset: a truncation bootstraps from its episode's last frame."""
     num_steps, num_envs = rewards.shape
     returns = np.zeros((num_steps, num_envs))
     for env in range(num_envs):
@@ -31,8 +29,7 @@ def reference_returns(rewards, values, next_value, terminations, dones, gamma, q
 
 
 def test_returns_match_the_reference_loop(lean):
-    """A lost life at step 4 of env 0 (step 5 is the reset step), a truncation at 9 in env 1, a termination at the
-    last step in env 2, env 3 never ends (float32 against float64: 1e-5)."""
+    """A lost life, a truncation, a last-step termination and an unended env (1e-5)."""
     g = torch.Generator().manual_seed(0)
     num_steps, num_envs = 16, 4
     rewards = torch.randint(0, 2, (num_steps, num_envs), generator=g).float()
@@ -49,14 +46,12 @@ def test_returns_match_the_reference_loop(lean):
     torch.testing.assert_close(returns[9, 1], rewards[9, 1] + 0.99 * values[10, 1])
 
 
-def make_batch(n, seed=0):
-    """A rollout batch (`atari_batch`) with Q(lambda) returns."""
-    return atari_batch(n, seed, lambda n, g: 3 * torch.rand(n, generator=g))
+# A rollout batch (`atari_batch`) with Q(lambda) returns.
+make_batch = lambda n, seed=0: atari_batch(n, seed, lambda n, g: 3 * torch.rand(n, generator=g))
 
 
 def test_lean_network_is_the_plain_network(plain, lean):
-    """The lean QNetwork (channels-last, LayerNorms over (H, W, C) rows) is the plain one's function of the same
-    parameters, names included (checkpoints move between the twins)."""
+    """The channels-last lean QNetwork is the plain one's function of the same named parameters."""
     torch.manual_seed(0)
     q_network, reference = lean.QNetwork(6), plain.QNetwork(6)
     assert q_network.state_dict().keys() == reference.state_dict().keys()
@@ -136,8 +131,7 @@ def test_compiled_update_matches_eager(lean):
 
 
 def changed_network(lean, head_activation=nn.Tanh):
-    """QNetwork changed: other convolution widths, Tanh, a narrower head with one more layer; random LayerNorm
-    weights, so that reading them in channels-last order is put to the test."""
+    """QNetwork changed (widths, Tanh, a deeper head), its LayerNorms random to test channels-last order."""
 
     class ChangedQNetwork(lean.QNetwork):
         def __init__(self, n_act, device=None):
@@ -160,8 +154,7 @@ def changed_network(lean, head_activation=nn.Tanh):
 
 
 def test_a_changed_network_acts_as_its_module(lean, monkeypatch, capsys):
-    """With QNetwork changed every form follows the module: the channels-last forward, make_policy's action and max Q,
-    the stacked form; numpy_forward refuses the convolution, and acts as the head (a GELU in it refused by name)."""
+    """With QNetwork changed every derived form follows the module; numpy refuses what it cannot do."""
     monkeypatch.setattr(lean, "QNetwork", changed_network(lean))
     torch.manual_seed(0)
     q_network, other = lean.QNetwork(6), lean.QNetwork(6)

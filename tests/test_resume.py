@@ -1,17 +1,20 @@
-"""--resume: a run stopped partway (SIGTERM, or SIGKILL after a periodic checkpoint) and resumed ends as the run
-unbroken: the same weights and logged values at the same steps, each point once. Bad resumes: one line, exit 2."""
+"""--resume: a run stopped partway and resumed ends as the run unbroken; bad resumes are one line, exit 2."""
 
+import collections
+import io
 import json
 import os
 import signal
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import SCRIPTS, TINY, assert_one_line_error, family, run_script, scripts, signal_at_step, start_script, wait_for
 
-# SIGKILLs the script's own process at its first env step from `at` on (of one env) where a
-# periodic checkpoint exists: killed partway, whatever the machine's speed.
+import leanrl_utils
+
+# SIGKILLs the script's own process at its first env step from `at` on where a periodic checkpoint exists.
 KILL_AFTER_CHECKPOINT = """
 import glob, os, signal, gymnasium as gym
 _step, _calls = gym.wrappers.RecordEpisodeStatistics.step, [0]
@@ -23,8 +26,7 @@ def step(self, action):
 gym.wrappers.RecordEpisodeStatistics.step = step
 """
 
-# Right after --resume loads the run, its objects (the envs aside) hold what the checkpoint saved,
-# and the loop starts at the saved iteration.
+# Right after --resume loads the run, its objects (but the envs) hold what was saved; the loop starts where it stopped.
 CHECK_RESUMED = """
 import sys, torch, leanrl_utils
 def same(a, b):
@@ -52,8 +54,7 @@ def checkpoint(self, iteration):
 leanrl_utils.Run.resume, leanrl_utils.Run.checkpoint = resume, checkpoint
 """
 
-# Per family: the env step to stop at (after learning starts, between two log points); the torch-native
-# envs' step (every env at once) 150: mid-iteration 3, their state saved with the loop's variables.
+# Per family: the env step to stop at, after learning starts and between two log points.
 STOP_AT = {"dqn": 250, "pqn": 300, "ppo": 300, "sac_continuous_action": 150, "td3_continuous_action": 150,
            "ppo_continuous_action": 150, "pqn_torchenv": 150, "ppo_torchenv": 150}  # fmt: skip
 RESUMABLE = [s for s in scripts("*.py") if family(s) in STOP_AT]
@@ -67,14 +68,12 @@ def scalars(run_dir):
     for path in sorted(Path(run_dir).glob("events.out.tfevents.*")):
         for event in EventFileLoader(str(path)).Load():
             for value in event.summary.value:
-                # The loader hands simple values over as float tensors of one element.
                 if value.tag != "charts/SPS" and len(value.tensor.float_val) == 1:
                     points.append((value.tag, event.step, value.tensor.float_val[0]))
     return points
 
 
-def curve_steps(run_dir):
-    return [line.split(",")[0] for line in (Path(run_dir) / "curve.csv").read_text().splitlines()]
+curve_steps = lambda run_dir: [line.split(",")[0] for line in (Path(run_dir) / "curve.csv").read_text().splitlines()]
 
 
 def loss_steps(run_dir):
@@ -91,17 +90,13 @@ def assert_every_log_point_once(run_dir, total):
     assert logged == list(range(logged[0], total + 1, every)), logged
 
 
-def final_weights(workdir, summary):
-    return torch.load(Path(workdir) / summary["checkpoint"], weights_only=True)["model"]
+final_weights = lambda workdir, summary: torch.load(Path(workdir) / summary["checkpoint"], weights_only=True)["model"]
 
 
 TWICE = [s for s in RESUMABLE if s.stem in ("dqn_torchcompile", "ppo_continuous_action_torchcompile")]
-# Compiled, a run resumes by compiling anew: the replay-buffer, observation-statistics and
-# learned-temperature kinds of lean state.
+# Compiled, a run resumes by compiling anew: the replay-buffer, observation-statistics and learned-temperature states.
 LEAN = [
-    s
-    for s in RESUMABLE
-    if s.stem in ("dqn_torchcompile", "ppo_continuous_action_torchcompile", "sac_continuous_action_torchcompile")
+    s for s in RESUMABLE if s.stem in [f"{f}_torchcompile" for f in ("dqn", "ppo_continuous_action", "sac_continuous_action")]
 ]
 UNBROKEN = {f"{s.stem}{suffix}": (s, times, compiled) for suffix, times, compiled, group in
             (("", 1, False, RESUMABLE), ("-x2", 2, False, TWICE), ("-compile", 1, True, LEAN)) for s in group}  # fmt: skip
@@ -109,14 +104,12 @@ UNBROKEN = {f"{s.stem}{suffix}": (s, times, compiled) for suffix, times, compile
 
 @pytest.mark.parametrize("case", UNBROKEN)
 def test_stopped_and_resumed_run_is_the_run_unbroken(case, tmp_path):
-    """SIGTERM (twice, 1 ms apart: the second changes nothing) between two log points, --resume with no other flag:
-    weights, logged values and the curve's steps equal bit for bit (eager); --compile compiles anew, within rounding."""
+    """SIGTERM (maybe twice) mid-run, --resume: the unbroken run's values and weights."""
     script, times, compiled = UNBROKEN[case]
     (whole := tmp_path / "whole").mkdir()
     (parts := tmp_path / "parts").mkdir()
     tiny = [*TINY[family(script)], "--save-model", *(["--compile"] if compiled else [])]
     unbroken, _ = run_script(script, *tiny, cwd=whole)
-
     where = {"where": "leanrl_envs:Env"} if family(script).endswith("_torchenv") else {}
     before = signal_at_step(STOP_AT[family(script)], times, **where)
     proc = start_script(script, parts, *tiny, before=before)
@@ -124,7 +117,6 @@ def test_stopped_and_resumed_run_is_the_run_unbroken(case, tmp_path):
     assert proc.returncode == 143, stderr
     run_dir = parts / "runs" / os.listdir(parts / "runs")[0]
     assert (run_dir / "resume.pt").is_file()
-
     resumed, proc = run_script(script, "--resume", run_dir, "--save-model", cwd=parts)
     assert "notice: resuming" in proc.stderr and resumed["compile"] is compiled
     assert resumed["total_steps"] == unbroken["total_steps"] and resumed["updates"] == unbroken["updates"]
@@ -136,16 +128,12 @@ def test_stopped_and_resumed_run_is_the_run_unbroken(case, tmp_path):
     assert [v for _, _, v in got] == (pytest.approx(values, rel=1e-5, abs=1e-6) if compiled else values)
     assert curve_steps(run_dir) == curve_steps(whole / unbroken["run_dir"])
     expected, got = final_weights(whole, unbroken), final_weights(parts, resumed)
-    tolerance = dict(rtol=1e-5, atol=1e-6) if compiled else dict(rtol=0, atol=0)
-    for net in expected:
-        for name in expected[net]:
-            torch.testing.assert_close(got[net][name], expected[net][name], **tolerance, msg=f"{net} {name}")
+    torch.testing.assert_close(got, expected, **(dict(rtol=1e-5, atol=1e-6) if compiled else dict(rtol=0, atol=0)))
 
 
 @pytest.mark.parametrize("script", [SCRIPTS / "dqn_torchcompile.py", SCRIPTS / "pqn.py"], ids=lambda s: s.stem)
 def test_killed_run_resumes_from_its_periodic_checkpoint(script, tmp_path):
-    """SIGKILL with --checkpoint-every (an off-policy and an on-policy script): the resumed run completes its budget,
-    every log point once in curve.csv and the events."""
+    """SIGKILL after a periodic checkpoint: resumed, the budget completes, each point once."""
     argv = [*TINY[family(script)], "--checkpoint-every", "0.05"]
     i = argv.index("--total-timesteps")
     argv[i + 1] = str(int(argv[i + 1]) * (50 if family(script) == "pqn" else 10))  # lean PQN runs 5120 steps in a second
@@ -158,9 +146,7 @@ def test_killed_run_resumes_from_its_periodic_checkpoint(script, tmp_path):
     assert_every_log_point_once(run_dir, int(argv[i + 1]))
 
 
-# SIGTERM to the script's own process 0.3 s into the first call of a compiled function: inside its
-# compile (dynamo's tracing alone takes longer), whatever the caches hold; a line on stderr when
-# the loop goes on eagerly.
+# SIGTERM 0.3 s into the first call of a compiled function (inside its compile); a line when it goes on eagerly.
 SIGNAL_IN_COMPILE = """
 import functools, os, signal, sys, threading, torch
 _compile, _set_stance = torch.compile, torch.compiler.set_stance
@@ -182,20 +168,21 @@ torch.compile, torch.compiler.set_stance = compile, set_stance
 
 @pytest.mark.parametrize("script", [SCRIPTS / "dqn_torchcompile.py", SCRIPTS / "ppo_continuous_action_torchcompile.py"])
 def test_a_signal_during_the_cold_compile_ends_it_and_saves(script, tmp_path):
-    """A stop in the first compile ends it: the iteration goes on eagerly, resume.pt is saved at the next, and --resume
-    completes the budget from the state it saved, each log point once."""
+    """A stop mid-compile goes on eagerly, saves, and resumes with its state."""
     argv = [*TINY[family(script)], "--compile"]
     proc = start_script(script, tmp_path, *argv, before=SIGNAL_IN_COMPILE)
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 143 and "compile-check: force_eager" in stderr, stderr
-    run_dir = next((tmp_path / "runs").iterdir())
+    assert_resumes_with_its_state(script, next((tmp_path / "runs").iterdir()), int(argv[argv.index("--total-timesteps") + 1]))
+
+
+def assert_resumes_with_its_state(script, run_dir, total):
+    """--resume restores what the run saved (CHECK_RESUMED) and completes the budget `total`, each log point once."""
     assert (run_dir / "resume.pt").is_file()
-    proc = start_script(script, tmp_path, "--resume", run_dir, before=CHECK_RESUMED)
+    proc = start_script(script, run_dir.parents[1], "--resume", run_dir, before=CHECK_RESUMED)
     stdout, stderr = proc.communicate(timeout=600)
-    assert proc.returncode == 0, stderr
-    assert "resume-check: objects ok" in stderr and "resume-check: iteration ok" in stderr
-    total = json.loads(stdout.splitlines()[-1])["total_steps"]
-    assert total == int(argv[argv.index("--total-timesteps") + 1])
+    assert proc.returncode == 0 and "resume-check: objects ok" in stderr and "resume-check: iteration ok" in stderr, stderr
+    assert json.loads(stdout.splitlines()[-1])["total_steps"] == total
     assert_every_log_point_once(run_dir, total)
 
 
@@ -210,17 +197,11 @@ def test_atari_run_resumes_with_its_saved_state_and_completes_its_budget(script,
     )
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 143, stderr
-    run_dir = next((tmp_path / "runs").iterdir())
-    proc = start_script(script, tmp_path, "--resume", run_dir, before=CHECK_RESUMED)
-    stdout, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stderr
-    assert "resume-check: objects ok" in stderr and "resume-check: iteration ok" in stderr
-    assert json.loads(stdout.splitlines()[-1])["total_steps"] == total
-    assert_every_log_point_once(run_dir, total)
+    assert_resumes_with_its_state(script, next((tmp_path / "runs").iterdir()), total)
 
 
 def test_every_seed_of_num_seeds_resumes(tmp_path):
-    """--num-seeds 2 (lean DQN): stopped and resumed, each seed's run is its run unbroken."""
+    """Lean DQN with 2 seeds resumes as each seed's unbroken run; another --num-seeds is one line."""
     script = SCRIPTS / "dqn_torchcompile.py"
     (whole := tmp_path / "whole").mkdir()
     (parts := tmp_path / "parts").mkdir()
@@ -230,6 +211,8 @@ def test_every_seed_of_num_seeds_resumes(tmp_path):
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 143, stderr
     lead = next(d for d in (parts / "runs").iterdir() if (d / "resume.pt").exists())
+    _, proc = run_script(script, "--resume", lead, "--num-seeds", 3, cwd=parts, check=False)
+    assert_one_line_error(proc, "--num-seeds", "contradicts", code=2)
     resumed, proc = run_script(script, "--resume", lead, "--save-model", cwd=parts)
     assert resumed["num_seeds"] == 2 and "notice: resuming" in proc.stderr
     for seed in (1, 2):
@@ -237,17 +220,7 @@ def test_every_seed_of_num_seeds_resumes(tmp_path):
         got = next((parts / "runs").glob(f"*__{seed}__*"))
         assert scalars(got) == scalars(expected)
         weights = [torch.load(d / "dqn_torchcompile.pt", weights_only=True)["model"] for d in (expected, got)]
-        assert all(torch.equal(weights[0]["q_network"][k], weights[1]["q_network"][k]) for k in weights[0]["q_network"])
-
-
-def test_resume_with_another_num_seeds_is_one_line(tmp_path):
-    script = SCRIPTS / "dqn_torchcompile.py"
-    argv = [*TINY["dqn"], "--num-seeds", 2]
-    proc = start_script(script, tmp_path, *argv, before=signal_at_step(2 * 250))
-    proc.communicate(timeout=300)
-    lead = next(d for d in (tmp_path / "runs").iterdir() if (d / "resume.pt").exists())
-    _, proc = run_script(script, "--resume", lead, "--num-seeds", 3, cwd=tmp_path, check=False)
-    assert_one_line_error(proc, "--num-seeds", "contradicts", code=2)
+        torch.testing.assert_close(weights[1], weights[0], rtol=0, atol=0)
 
 
 @pytest.fixture
@@ -271,8 +244,7 @@ def without_seeds(run_dir):
     return run_dir
 
 
-# Per case: the script that resumes the stopped run, what is done to the run folder first (and the folder
-# resumed), the flags after --resume, the words of the one line.
+# Per case: the resuming script, a change to the run folder (returning the folder), flags, the line's words.
 BAD_RESUMES = {
     "missing-folder": ("dqn", lambda run_dir: run_dir.parents[1] / "nowhere", [], ["no checkpoint"]),
     "corrupt-checkpoint": ("dqn", truncated, [], ["corrupt"]),
@@ -297,7 +269,7 @@ def test_resume_refuses_what_it_cannot_honour_in_one_line(stopped_run, tmp_path,
 
 
 def test_resume_says_what_it_changes_and_where_it_goes_on(stopped_run, tmp_path):
-    """A flag the run may change is honoured and said, the notice gives the step, a missing curve.csv is rebuilt."""
+    """Resume notices, a rebuilt curve.csv; a finished run refuses, a larger budget extends."""
     script, run_dir = stopped_run
     (run_dir / "curve.csv").unlink()
     summary, proc = run_script(script, "--resume", run_dir, "--eval-episodes", 1, cwd=tmp_path)
@@ -307,6 +279,11 @@ def test_resume_says_what_it_changes_and_where_it_goes_on(stopped_run, tmp_path)
     assert any("curve.csv was missing or short; rebuilt" in n for n in notices), notices
     curve = (run_dir / "curve.csv").read_bytes()
     assert curve.startswith(b"step,seconds,episodic_return\n") and b"\0" not in curve and summary["eval_return"] is not None
+    assert summary["total_steps"] == 400
+    _, proc = run_script(script, "--resume", run_dir, cwd=tmp_path, check=False)
+    assert_one_line_error(proc, "already finished", code=2)
+    extended, _ = run_script(script, "--resume", run_dir, "--total-timesteps", 500, cwd=tmp_path)
+    assert extended["total_steps"] == 500
 
 
 def test_one_writer_per_run_folder(stopped_run, tmp_path):
@@ -322,25 +299,8 @@ def test_one_writer_per_run_folder(stopped_run, tmp_path):
     assert resumed["total_steps"] == 400
 
 
-def test_resume_of_a_finished_run_is_one_line_and_a_larger_budget_extends_it(stopped_run, tmp_path):
-    script, run_dir = stopped_run
-    done, _ = run_script(script, "--resume", run_dir, "--checkpoint-every", "1000", cwd=tmp_path)
-    assert done["total_steps"] == 400
-    _, proc = run_script(script, "--resume", run_dir, cwd=tmp_path, check=False)
-    assert_one_line_error(proc, "already finished", code=2)
-    extended, _ = run_script(script, "--resume", run_dir, "--total-timesteps", 500, cwd=tmp_path)
-    assert extended["total_steps"] == 500
-
-
 def test_loop_values_survive_a_weights_only_checkpoint():
     """What a checkpoint keeps of the loop's variables and the envs comes back with its types."""
-    import collections
-    import io
-
-    import numpy as np
-
-    import leanrl_utils
-
     values = {
         "counts": (1, 2.5, np.float64(3.0), None, "s"),
         "queue": collections.deque([1.0, 2.0], maxlen=5),

@@ -1,5 +1,4 @@
-"""What a run writes (leanrl_utils' Run, through the scripts): a folder of its own, a curve that survives SIGKILL, a
-final save that a full disk or a signal cannot break, a strict JSON summary with many seeds."""
+"""What a run writes: its own folder, a curve that survives SIGKILL, safe final saves, strict JSON summaries."""
 
 import errno
 import math
@@ -12,7 +11,7 @@ import types
 
 import pytest
 import torch
-from conftest import last_summary, pair, script_command, script_env, tiny, tiny_args
+from conftest import last_summary, pair, run_script, script_command, script_env, tiny, tiny_args
 
 import leanrl_utils
 
@@ -25,13 +24,11 @@ def test_run_folders_are_made_exclusively_with_a_suffix(taken, tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(leanrl_utils.run, "time", types.SimpleNamespace(time=lambda: 1e6, perf_counter=time.perf_counter))
     args = tiny_args(DQN)
-    base = f"runs/{args.env_id}__{args.exp_name}__{args.seed}__1000000"
-    for k in range(taken):  # folders of runs started before, in this second
-        os.makedirs(base + ("" if k == 0 else f"__{k + 1}"))
+    folder = lambda k: f"runs/{args.env_id}__{args.exp_name}__{args.seed}__1000000" + ("" if k == 0 else f"__{k + 1}")
+    [os.makedirs(folder(k)) for k in range(taken)]  # folders of runs started before, in this second
     runs = [leanrl_utils.Run(args, 0, DQN) for _ in range(2)]
-    for run in runs:  # the folder is made at the first need: a log point, a save, the end
-        run.open()
-    assert [run.dir for run in runs] == [base + ("" if k == 0 else f"__{k + 1}") for k in (taken, taken + 1)]
+    [run.open() for run in runs]  # the folder is made at the first need: a log point, a save, the end
+    assert [run.dir for run in runs] == [folder(k) for k in (taken, taken + 1)]
     assert all(run.name == run.dir.removeprefix("runs/") for run in runs)
     for run in runs:
         run.finish(0, 0, {}, None)
@@ -43,8 +40,7 @@ def test_each_seed_gets_a_folder_of_its_own(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(leanrl_utils.run, "time", types.SimpleNamespace(time=lambda: 1e6, perf_counter=time.perf_counter))
     args = tiny_args(DQN_LEAN, "--num-seeds", 2)
     sweeps = [leanrl_utils.seeds.runs(args, 0, DQN_LEAN) for _ in range(2)]
-    for run in (run for runs in sweeps for run in runs):
-        run.open()
+    [run.open() for runs in sweeps for run in runs]
     dirs = [run.dir for runs in sweeps for run in runs]
     assert len(set(dirs)) == 4 and all((tmp_path / d).is_dir() for d in dirs), dirs
     for runs in sweeps:
@@ -113,8 +109,7 @@ def test_atomic_save_leaves_no_tmp_and_the_old_file_whole(exc, tmp_path, monkeyp
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EROFS, "dev_full", "torch"], ids=str)
 def test_a_full_disk_at_the_final_save_still_prints_the_summary(code, tmp_path, monkeypatch, capsys):
-    """One line naming the failure, the summary with save_failed, exit 1, no .tmp left (dev_full: a real full disk,
-    the .tmp a link to /dev/full; torch: torch.save's own RuntimeError there)."""
+    """A failed final save: one line, summary with save_failed, exit 1, no .tmp."""
     monkeypatch.chdir(tmp_path)
     run = leanrl_utils.Run(tiny_args(DQN, "--save-model"), 0, DQN)
     if code == "dev_full":
@@ -156,17 +151,13 @@ torch.utils.tensorboard.SummaryWriter.add_scalar = read_only
 
 
 def test_failed_writes_mid_run_are_one_line_each_and_training_goes_on(tmp_path):
-    """A resume.pt meeting a full disk is said and saved at the next checkpoint; a failing TensorBoard writer is said
-    once and dropped; the run ends as usual."""
-    proc = subprocess.run(
-        [*script_command(DQN, before=WRITES_FAIL), *tiny(DQN, checkpoint_every=0.01)],
-        cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    """Failed writes mid-run are said once each; training goes on."""
+    summary, proc = run_script(DQN, *tiny(DQN, checkpoint_every=0.01), cwd=tmp_path, before=WRITES_FAIL)
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 2 and "resume.pt" in errors[0] and "no space left" in errors[0].lower(), errors
     assert "TensorBoard" in errors[1] and "read-only" in errors[1].lower(), errors
-    assert last_summary(proc.stdout)["updates"] > 0 and "save_failed" not in last_summary(proc.stdout)
+    assert summary["updates"] > 0 and "save_failed" not in summary
     assert list(tmp_path.glob("runs/*/resume.pt"))
 
 
@@ -188,13 +179,10 @@ leanrl_utils.checkpoints.atomic_save = signalled_save
 def test_signals_during_the_final_save_are_recorded(signums, tmp_path):
     """The save completes, evaluation is skipped, the summary says interrupted, the exit status is the first signal's."""
     before = SIGNALS_IN_SAVE.format(signums=[int(s) for s in signums])
-    proc = subprocess.run(
-        [*script_command(DQN, before=before), *tiny(DQN, "--save-model", "--eval-episodes", "20")],
-        cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 128 + signums[0], (proc.returncode, proc.stderr)
-    assert "Traceback" not in proc.stderr, proc.stderr
-    summary = last_summary(proc.stdout)
+    summary, proc = run_script(
+        DQN, *tiny(DQN, "--save-model", "--eval-episodes", "20"), cwd=tmp_path, before=before, check=False
+    )
+    assert proc.returncode == 128 + signums[0] and "Traceback" not in proc.stderr, (proc.returncode, proc.stderr)
     assert summary["interrupted"] is True and summary["eval_return"] is None
     checkpoint = torch.load(tmp_path / summary["checkpoint"], weights_only=True)
     assert all(torch.isfinite(t).all() for net in checkpoint["model"].values() for t in net.values())

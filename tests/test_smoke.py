@@ -1,5 +1,4 @@
-"""Every script, in every mode it has, at tiny sizes: it runs to the end, the update ran, and
-the summary line says so. The lean scripts are also checked for recompiles after warm-up."""
+"""Every script in every mode at tiny sizes runs through, updates, summarizes, never recompiles, never imports wandb."""
 
 import math
 
@@ -15,6 +14,7 @@ MODES = {
     "compile+cudagraphs": ["--compile", "--cudagraphs"],
 }
 CUDA_NOTICE = "notice: --cudagraphs needs a CUDA device; running without CUDA graphs"
+NO_WANDB = "assert 'wandb' not in sys.modules, 'wandb was imported'"  # without --track nothing imports it
 
 
 def test_every_script_has_tiny_settings():
@@ -48,7 +48,7 @@ def check_summary(summary, script, workdir):
 
 @pytest.mark.parametrize("script", [s for s in ALL if not is_lean(s)], ids=lambda s: s.stem)
 def test_plain_script_runs(script, workdir):
-    summary, _ = run_script(script, *TINY[family(script)], cwd=workdir)
+    summary, _ = run_script(script, *TINY[family(script)], cwd=workdir, after=NO_WANDB)
     check_summary(summary, script, workdir)
     assert summary["compile"] is False and summary["cudagraphs"] is False
 
@@ -59,7 +59,8 @@ def test_lean_script_runs(script, mode, workdir):
     import torch
 
     # Every recompile after the first compilation of a callable is logged under this setting.
-    summary, proc = run_script(script, *TINY[family(script)], *MODES[mode], cwd=workdir, env={"TORCH_LOGS": "recompiles"})
+    env = {"TORCH_LOGS": "recompiles"}
+    summary, proc = run_script(script, *TINY[family(script)], *MODES[mode], cwd=workdir, env=env, after=NO_WANDB)
     check_summary(summary, script, workdir)
     assert summary["compile"] is ("compile" in mode)
     assert "Recompiling" not in proc.stderr, proc.stderr[-4000:]
