@@ -274,7 +274,7 @@ def atari_batch(n, seed, *fields, n_act=4):
     return (frames, actions, *(draw(n, g) for draw in fields), (torch.rand(n, generator=g) > 0.125).float())
 
 
-def assert_dqn_step_is_the_plain_step(metrics, nets, optimizer, batch, gamma, seed_net, tolerance):
+def assert_plain_dqn_step(metrics, nets, optimizer, batch, gamma, seed_net, tolerance):
     """The plain DQN step on one seed's batch and `nets`: the lean metrics and that seed's parameters match it."""
     (q_ref, target_ref), (obs, actions, next_obs, rewards, dones) = nets, batch
     with torch.no_grad():
@@ -322,18 +322,14 @@ def build_plain_targets_too(lean, monkeypatch, targets):
 def recorded_runs(modules, args, monkeypatch):
     """Each module's main with `args` in turn; per module, every log point's metrics and the final weights."""
     threads, runs = torch.get_num_threads(), []
+    values = lambda out, self, step, updates, metrics, nets: {k: float(v) for k, v in metrics.items()}
+    weights = lambda out, self, step, updates, nets, *rest, **kw: {
+        f"{m}.{k}": v.detach().clone() for m, net in nets.items() for k, v in net.state_dict().items()}  # fmt: skip
     torch.set_num_threads(1)
     try:
         for module in modules:  # Run lives in leanrl_utils, shared by every script: patched anew for each module
             with monkeypatch.context() as patch:
-                logged = spy(patch, leanrl_utils.Run, "log", lambda out, self, step, updates, metrics, nets: {
-                    k: float(v) for k, v in metrics.items()})  # fmt: skip
-                weights = lambda nets: {
-                    f"{name}.{k}": v.detach().clone() for name, n in nets.items() for k, v in n.state_dict().items()
-                }
-                final = spy(
-                    patch, leanrl_utils.Run, "finish", lambda out, self, step, updates, nets, *rest, **kw: weights(nets)
-                )
+                logged, final = spy(patch, leanrl_utils.Run, "log", values), spy(patch, leanrl_utils.Run, "finish", weights)
                 module.main(module.Args(**args))
             runs.append((logged, final[-1]))
     finally:

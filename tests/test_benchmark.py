@@ -132,9 +132,8 @@ def test_env_ceiling_steps_the_env():
 def test_arithmetic_ceiling_replays_recorded_matmuls(bench, tmp_path):
     ceilings = load_ceilings()
     cfg = bench.config("dqn")
-    ceiling = ceilings.arithmetic_ceiling(
-        bench.SCRIPTS / "dqn.py", cfg["arith"]["args"], cfg["arith"]["steps"], tmp_path, seconds=0.3
-    )
+    arith = cfg["arith"]
+    ceiling = ceilings.arithmetic_ceiling(bench.SCRIPTS / "dqn.py", arith["args"], arith["steps"], tmp_path, seconds=0.3)
     assert ceiling["sps"] > 0 and math.isfinite(ceiling["gflops"])
     # DQN on CartPole: 1.09 MFLOP of updates per env step (2.75 per forward, 5.37 backward, 128 rows per 10 steps).
     assert 1.05e-3 < ceiling["gflop_per_step"] < 1.2e-3
@@ -164,9 +163,8 @@ def test_ceilings_appear_in_the_table_as_fractions_of_the_median(bench):
 
 
 def test_warm_up_is_split_into_the_cold_first_seed_and_the_warm_others(bench):
-    records = [
-        record("dqn", "compile", s, 50.0, warmup_s=w, cold=s == 1) for s, w in ((1, 30.0), (2, 4.0), (3, 6.0), (4, 100.0))
-    ]
+    warmups = ((1, 30.0), (2, 4.0), (3, 6.0), (4, 100.0))
+    records = [record("dqn", "compile", s, 50.0, warmup_s=w, cold=s == 1) for s, w in warmups]
     info = {**INFO, "profile": "quick", "seeds": [1, 2, 3, 4]}
     row = next(line for line in bench.summarize(records, [], {}, info).splitlines() if "| compile |" in line)
     assert [c.strip() for c in row.strip("|").split("|")][9:11] == ["30.0", "6.0"]
@@ -174,14 +172,11 @@ def test_warm_up_is_split_into_the_cold_first_seed_and_the_warm_others(bench):
 
 def test_each_cell_compiles_into_its_own_cache_and_only_its_first_seed_is_cold(bench, tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(
-        bench, "run_one", lambda script, argv, log, timeout, cache: calls.append(cache) or {"sps": 1.0, "seed": argv[-1]}
-    )
+    run_one = lambda script, argv, log, timeout, cache: calls.append(cache) or {"sps": 1.0, "seed": argv[-1]}
+    monkeypatch.setattr(bench, "run_one", run_one)
     runs, _ = bench.plan(["dqn"], [1, 2], "tiny", cuda=False)
     records = bench.run_all(runs, tmp_path, 10)
-    assert [(r["mode"], r["cold"]) for r in records] == [
-        (m, cold) for cold in (True, False) for m in ("plain", "eager", "compile")
-    ]
+    assert [(r["mode"], r["cold"]) for r in records] == [(m, c) for c in (True, False) for m in ("plain", "eager", "compile")]
     assert calls[:3] == calls[3:] and len(set(calls)) == 3
 
 
@@ -190,11 +185,8 @@ def test_scaling_reports_each_setting_over_the_first_per_seed(tmp_path, monkeypa
     for family, shared, settings in scaling.CASES.values():
         assert (scaling.bench.SCRIPTS / f"{family}_torchcompile.py").exists() and len(settings) >= 2
     speeds = {("1", 1): 100.0, ("8", 1): 300.0, ("1", 2): 200.0, ("8", 2): 500.0}
-    monkeypatch.setattr(
-        scaling,
-        "run",
-        lambda script, launcher, argv, log, timeout: {"sps": speeds[(argv[argv.index("--num-seeds") + 1], int(argv[-1]))]},
-    )
+    run = lambda script, launcher, argv, log, timeout: {"sps": speeds[(argv[argv.index("--num-seeds") + 1], int(argv[-1]))]}
+    monkeypatch.setattr(scaling, "run", run)
     assert scaling.main(["--cases", "dqn --num-seeds", "--seeds", "1", "2", "--out", str(tmp_path)]) == 0
     row = next(line for line in (tmp_path / "table.md").read_text().splitlines() if "| 8 seeds |" in line)
     assert [c.strip() for c in row.strip("|").split("|")][2:] == ["400", "2.75x", "2.50-3.00"]

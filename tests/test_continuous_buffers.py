@@ -84,7 +84,6 @@ def test_buffer_keeps_terminations_apart_and_wraps(script):
     for step, i, final_obs, reset_obs, _ in ends:
         np.testing.assert_allclose(data["next_obs"][step * 2 + i], final_obs, rtol=0, atol=1e-6)
         assert np.abs(final_obs - reset_obs).max() > 1e-3
-
     rb, ends = collect(module, "InvertedPendulum-v5", 2, 40, buffer_size=7, stage_steps=3)
     terminated = [(step, i, final) for step, i, final, _, term in ends if term]
     assert terminated, "no episode terminated: the test saw no termination"
@@ -95,7 +94,6 @@ def test_buffer_keeps_terminations_apart_and_wraps(script):
         assert data["dones"][k % 7] == (1.0 if ended else 0.0), divmod(k, 2)
         if ended:
             np.testing.assert_allclose(data["next_obs"][k % 7], ended[0], atol=1e-6)
-
     small = make_buffer(module, 50, 11, 3, stage_rows=10)
     rng = np.random.default_rng(0)
     rows = {k: rng.normal(size=(5, *shape)).astype(np.float32) for k, shape in zip(KEYS, [(11,), (3,), (), (11,), ()])}

@@ -6,16 +6,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from conftest import (
-    assert_dqn_step_is_the_plain_step,
-    dqn_learner,
-    main_in_process,
-    pair,
-    refused_call,
-    run_script,
-    short_env,
-    spy,
-)
+from conftest import assert_plain_dqn_step, dqn_learner, main_in_process, pair, refused_call, run_script, short_env, spy
 from torch.func import functional_call
 
 import leanrl_utils
@@ -67,7 +58,6 @@ def test_stored_transitions_follow_the_episodes(either, monkeypatch, tmp_path):
     # Random play (about 22 steps) falls and reaches the limit; the few updates at the end change no random action.
     run_in_process(module, monkeypatch, tmp_path, env_id=SHORT_ID, total_timesteps=600, num_envs=num_envs, learning_starts=580,
                    start_e=1.0, end_e=1.0)  # fmt: skip
-
     obs, next_obs, dones = (np.stack(x).astype(np.float64) for x in zip(*records))
     assert obs.shape == (300, num_envs, 4) and dones.shape == (300, num_envs)
     terminations = truncations = 0
@@ -203,9 +193,8 @@ def test_changed_network_acts_as_the_module_in_a_whole_run(lean, monkeypatch, tm
             actions = policy(obs)
             blocks = torch.from_numpy(obs).view(num_seeds, -1, obs.shape[-1])
             with torch.no_grad():
-                seed_q = [
-                    functional_call(q_network, {n: p[k] for n, p in params.items()}, blocks[k]) for k in range(num_seeds)
-                ]
+                seed_params = [{n: p[k] for n, p in params.items()} for k in range(num_seeds)]
+                seed_q = [functional_call(q_network, seed_params[k], blocks[k]) for k in range(num_seeds)]
             np.testing.assert_array_equal(actions, torch.cat(seed_q).argmax(dim=1).numpy())
             calls.append(float(params["network.0.weight"].sum()))  # changes with every Adam step
             return actions
@@ -263,7 +252,7 @@ def test_lean_update_is_the_plain_update(lean, num_seeds):
             rows = idx.view(num_seeds, -1)[k]
             batch = [storage[key][rows, k] for key in ("obs", "actions", "next_obs", "rewards", "dones")]
             nets, tolerance = (q_ref, target_ref), EXACT[num_seeds]
-            assert_dqn_step_is_the_plain_step(metrics[:, k], nets, optimizer, batch, args.gamma, seed_nets[k], tolerance)
+            assert_plain_dqn_step(metrics[:, k], nets, optimizer, batch, args.gamma, seed_nets[k], tolerance)
 
 
 @SEEDS

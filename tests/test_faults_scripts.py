@@ -56,18 +56,12 @@ def test_budget_that_ends_before_learning_starts_runs_with_a_notice(script, work
     summary, proc = run_script(script, *argv, cwd=workdir)
     notices = [line for line in proc.stderr.splitlines() if "ends before learning starts" in line]
     assert summary["updates"] == 0 and len(notices) == 1 and notices[0].startswith("notice:"), proc.stderr
-    for words in ("--total-timesteps 300", "--learning-starts 5000", "no update will run"):
-        assert words in notices[0], notices[0]
+    assert all(w in notices[0] for w in ("--total-timesteps 300", "--learning-starts 5000", "no update will run")), notices
 
 
 # (total, learning_starts, num_envs) -> no update: the loop's last step must pass learning_starts.
-BUDGETS = {
-    (100, 100, 1): True,
-    (101, 100, 1): False,
-    (11, 8, 4): True,  # two iterations of 4 envs: steps 4 and 8
-    (12, 8, 4): False,
-    (0, 5000, 1): False,  # evaluation only: its own rule
-}
+# (11, 8, 4): two iterations of 4 envs, steps 4 and 8; a zero budget is evaluation only, with its own rule.
+BUDGETS = {(100, 100, 1): True, (101, 100, 1): False, (11, 8, 4): True, (12, 8, 4): False, (0, 5000, 1): False}
 
 
 @pytest.mark.parametrize("budget", BUDGETS, ids=str)
@@ -78,14 +72,14 @@ def test_check_budget_at_its_boundary(budget):
     assert leanrl_utils.checks.budget(types.SimpleNamespace(total_timesteps=1, num_envs=1)) is False  # on-policy
 
 
-@pytest.mark.parametrize(
-    "argv", [["--load-model", "model.pt"], ["--eval-episodes", 2], []], ids=["no-eval-episodes", "no-load-model", "neither"]
-)
+ZERO_BUDGET = {"no-eval-episodes": ["--load-model", "model.pt"], "no-load-model": ["--eval-episodes", 2], "neither": []}
+
+
+@pytest.mark.parametrize("argv", ZERO_BUDGET.values(), ids=ZERO_BUDGET)
 @pytest.mark.parametrize("script", ALL, ids=lambda s: s.stem)
 def test_zero_budget_is_evaluation_only(script, argv, tmp_path, monkeypatch, capsys):
     error = refused(script, "--total-timesteps", 0, *argv, tmp_path=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
-    for words in ("--total-timesteps 0", "--load-model", "--eval-episodes"):
-        assert words in error, error
+    assert all(words in error for words in ("--total-timesteps 0", "--load-model", "--eval-episodes")), error
 
 
 @pytest.mark.parametrize("flag, value", [("--num-steps", 10**12), ("--num-envs", 10**9)], ids=["num-steps", "num-envs"])
@@ -97,33 +91,22 @@ def test_rollout_beyond_memory_is_one_line_before_allocating(script, flag, value
     assert f"{flag} {value}" in error and "GiB" in error, error
 
 
-BAD_ENVS = {
-    "needs-jax": ("phys2d/CartPole-v1", ["jax", "install"]),
-    "retired-mujoco-py": ("Humanoid-v2", ["gymnasium-robotics", "e.g. Humanoid-v5"]),
-    "unknown": ("NoSuchEnv-v0", ["unknown", "--env-id"]),
-}
+BAD_ENVS = {"needs-jax": ("phys2d/CartPole-v1", ["jax", "install"]), "unknown": ("NoSuchEnv-v0", ["unknown", "--env-id"]),
+            "retired-mujoco-py": ("Humanoid-v2", ["gymnasium-robotics", "e.g. Humanoid-v5"])}  # fmt: skip
 BAD_GAMES = {"unknown": ("NoSuchGame-v5", ["unknown Atari id"]), "not-a-game": ("CartPole-v1", ["unknown Atari id"])}
 
 
 # (script, env id, words): gymnasium, Atari and torch-native scripts each with the ids they cannot make.
-UNMAKEABLE = (
-    [(s, *BAD_ENVS[case]) for s in GYM for case in BAD_ENVS]
-    + [(s, *BAD_GAMES[case]) for s in ATARI for case in BAD_GAMES]
-    + [
-        (s, env_id, ["CartPole-v1, Acrobot-v1, MountainCar-v0"])
-        for s in TORCH_ENVS
-        for env_id in [*(env_id for env_id, _ in BAD_ENVS.values()), "Pendulum-v1", "Taxi-v3"]
-    ]
-)
+TORCH_ENV_IDS = [*(env_id for env_id, _ in BAD_ENVS.values()), "Pendulum-v1", "Taxi-v3"]
+UNMAKEABLE = [(s, *BAD_ENVS[case]) for s in GYM for case in BAD_ENVS]
+UNMAKEABLE += [(s, *BAD_GAMES[case]) for s in ATARI for case in BAD_GAMES]
+UNMAKEABLE += [(s, env_id, ["CartPole-v1, Acrobot-v1, MountainCar-v0"]) for s in TORCH_ENVS for env_id in TORCH_ENV_IDS]
 
 
-@pytest.mark.parametrize(
-    "script, env_id, words", UNMAKEABLE, ids=lambda v: getattr(v, "stem", v if isinstance(v, str) else "")
-)
+@pytest.mark.parametrize("script, env_id, words", UNMAKEABLE, ids=lambda v: getattr(v, "stem", v if type(v) is str else ""))
 def test_env_that_cannot_be_made_is_one_line_before_the_run_folder(script, env_id, words, tmp_path, monkeypatch, capsys):
     error = refused(script, "--env-id", env_id, tmp_path=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
-    for word in [env_id, *words]:
-        assert word in error, error
+    assert all(word in error for word in [env_id, *words]), error
 
 
 # A real SIGINT (as from a terminal: xdist workers ignore it) after leanrl_utils's import, before the run exists.

@@ -19,9 +19,8 @@ def test_every_pair_has_both_profiles(learning):
 
 def test_plan_runs_plain_then_lean_compile_for_each_seed(learning):
     runs = learning.plan(["dqn", "pqn"], [1, 2], "quick")
-    assert [(pair, side, seed) for pair, side, seed, _, _ in runs] == [
-        (p, s, seed) for seed in (1, 2) for p in ("dqn", "pqn") for s in ("plain", "lean")
-    ]
+    expected = [(p, s, seed) for seed in (1, 2) for p in ("dqn", "pqn") for s in ("plain", "lean")]
+    assert [(pair, side, seed) for pair, side, seed, _, _ in runs] == expected
     _, _, _, script, argv = runs[1]
     assert script.name == "dqn_torchcompile.py" and argv[-1] == "--compile"
     assert argv[:2] == ["--total-timesteps", "100000"] and "--seed" in argv
@@ -34,16 +33,13 @@ def test_seeds_are_written_and_read_as_ranges(learning):
     assert learning.seed_ranges([3, 1, 2, 5, 7, 8, 180, 8]) == "1-3, 5, 7-8, 180"
     assert learning.seed_ranges(range(1, 181)) == "1-180"
     assert learning.seeds_arg("1-180") == list(range(1, 181)) and learning.seeds_arg("7") == [7]
-    results = [
-        {"pair": p, "side": "plain", "seed": s} for p, n in (("dqn", 15), ("ppo", 15), ("pqn", 180)) for s in range(1, n + 1)
-    ]
+    seeds = {"dqn": 15, "ppo": 15, "pqn": 180}
+    results = [{"pair": p, "side": "plain", "seed": s} for p, n in seeds.items() for s in range(1, n + 1)]
     assert learning.seed_groups(results) == "1-15 (dqn, ppo); 1-180 (pqn)"
     args = learning.argparse.Namespace(merge=None, quick=True, pairs=["pqn"], steps=None, sides=list(learning.SIDES))
     out = learning.bench.ROOT / "benchmark" / "learning" / "quick"
-    assert (
-        learning.command(args, [1, 2, 3, 5], out)
-        == "`./run.sh --learning --quick --pairs pqn --seeds 1-3 5 --out benchmark/learning/quick`"
-    )
+    command = "`./run.sh --learning --quick --pairs pqn --seeds 1-3 5 --out benchmark/learning/quick`"
+    assert learning.command(args, [1, 2, 3, 5], out) == command
 
 
 def test_bootstrap_interval_holds_zero_only_when_it_should(learning):
@@ -90,9 +86,8 @@ def test_merge_makes_one_table_from_parts_and_takes_a_redone_run_from_the_last(l
         parts.append(str(folder))
     out = tmp_path / "merged"
     assert learning.main(["--merge", *parts, parts[0], "--out", str(out)]) == 0
-    assert (
-        (out / "table.md").read_text().startswith("Machine: CPU 0, 2 cores and CPU 1, 2 cores; torch ")
-    )  # where the parts ran, each once
+    # where the parts ran, each once
+    assert (out / "table.md").read_text().startswith("Machine: CPU 0, 2 cores and CPU 1, 2 cores; torch ")
     assert learning.main(["--merge", *parts, "--out", str(out)]) == 0
     table = (out / "table.md").read_text()
     assert "20.0 ± 10.0 (n=3)" in table and "21.0 ± 10.0 (n=3)" in table and "Seeds: 1-3 (every pair run)." in table
@@ -101,9 +96,8 @@ def test_merge_makes_one_table_from_parts_and_takes_a_redone_run_from_the_last(l
     assert len((out / "results.jsonl").read_text().splitlines()) == 6
     assert (out / "learning.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (redone := tmp_path / "redone").mkdir()
-    (redone / "results.jsonl").write_text(
-        json.dumps({**rows[1], "seed": 1, "episodic_return": 41.0}) + "\n"
-    )  # lean seed 1: 11 -> 41
+    # lean seed 1: 11 -> 41
+    (redone / "results.jsonl").write_text(json.dumps({**rows[1], "seed": 1, "episodic_return": 41.0}) + "\n")
     assert learning.main(["--merge", *parts, str(redone), "--out", str(out)]) == 0
     table = (out / "table.md").read_text()
     assert "31.0 ± 10.0 (n=3)" in table and "taken from it: 1" in table

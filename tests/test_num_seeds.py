@@ -31,8 +31,9 @@ from test_ppo_family import LEARNING as PPO_LEARNING
 
 import leanrl_utils
 
-PATH, PQN_PATH, PPO_PATH, DISCRETE_PATH, ATARI_PATH, PQN_TORCHENV_PATH = (
-    pair(f)[1] for f in ("dqn", "pqn", "ppo_continuous_action", "ppo", "ppo_atari_envpool", "pqn_torchenv")
+PATH, PQN_PATH, PPO_PATH, DISCRETE_PATH = (pair(f)[1] for f in ("dqn", "pqn", "ppo_continuous_action", "ppo"))
+ATARI_PATH, PQN_TORCHENV_PATH, DQN_ATARI_PATH = (
+    pair(f)[1] for f in ("ppo_atari_envpool", "pqn_torchenv", "dqn_atari_envpool")
 )
 N, N_OBS, N_ACT, BUFFER, BATCH = 3, 4, 2, 500, 32
 
@@ -71,9 +72,8 @@ def dqn_case(lean, change=None):
 
 
 # The script's --num-seeds set-up (`dqn_learner`), the storage as [buffer_size, seeds, ...].
-dqn_stacked = lambda lean, nets, targets, storages: dqn_learner(
-    lean, nets, targets, {key: torch.stack([s[key] for s in storages], dim=1) for key in storages[0]}
-)
+def dqn_stacked(lean, nets, targets, storages):
+    return dqn_learner(lean, nets, targets, {key: torch.stack([s[key] for s in storages], dim=1) for key in storages[0]})
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -213,16 +213,11 @@ def ppo_updates(request, script, compiled=False, change=None):
     module, agents, rollouts, idx = ppo_case(request, script, change)
     spec = PPO_SCRIPTS[script]
     args = module.Args(num_minibatches=spec["batch"] // spec["minibatch"], **spec["args"])
-
-    def adam(params):
-        return module.optimizers.Adam(params, torch.tensor(args.learning_rate), eps=1e-5, fused=not compiled)
-
+    adam = lambda params: module.optimizers.Adam(params, torch.tensor(args.learning_rate), eps=1e-5, fused=not compiled)
     seed_agents = copy.deepcopy(agents)
     stacked = module.make_update(seed_agents[0], adam(module.seeds.stack(seed_agents).items()), args, num_seeds=len(agents))
-    singles = [
-        (agent, unstacked(compiled_as_main(module.make_update(agent, adam(stack_of_one(agent)), args), module, compiled)))
-        for agent in copy.deepcopy(agents)
-    ]
+    single = lambda agent: module.make_update(agent, adam(stack_of_one(agent)), args)
+    singles = [(a, unstacked(compiled_as_main(single(a), module, compiled))) for a in copy.deepcopy(agents)]
     batch = tuple(torch.stack(fields) for fields in zip(*rollouts))
     return module, agents, rollouts, idx, seed_agents, compiled_as_main(stacked, module, compiled), batch, singles
 
@@ -258,10 +253,7 @@ def pqn_updates(pqn, compiled=False, change=None):
         nets[1].network[0].weight.data.mul_(1.5)
     if change == "data":
         rollouts[1] = (*rollouts[1][:2], rollouts[1][2] + 1.0)
-
-    def radam(params):
-        return pqn.optimizers.RAdam(params, torch.tensor(2.5e-4), capturable=compiled)
-
+    radam = lambda params: pqn.optimizers.RAdam(params, torch.tensor(2.5e-4), capturable=compiled)
     seed_nets = copy.deepcopy(nets)
     stacked = pqn.make_update(seed_nets[0], radam(pqn.seeds.stack(seed_nets).items()), Q_CLIP, N)
     singles = [(net, pqn.make_update(net, radam(stack_of_one(net)), Q_CLIP, 1)) for net in copy.deepcopy(nets)]
@@ -365,10 +357,8 @@ def assert_rows_hold_their_seeds_sub_envs(batch, observations, actions, num_step
 
 
 # Per script: its fixture, the env class whose steps are recorded, the first batch's shape, the steps per rollout.
-OWN_SUB_ENVS = {
-    "pqn": ("pqn", "SameStepEnvs", (2, 128, 4), 64),
-    "ppo-atari": ("atari", "RecordEpisodeStatistics", (2, 32, 4, 84, 84), 16),
-}
+OWN_SUB_ENVS = {"pqn": ("pqn", "SameStepEnvs", (2, 128, 4), 64),
+                "ppo-atari": ("atari", "RecordEpisodeStatistics", (2, 32, 4, 84, 84), 16)}  # fmt: skip
 
 
 @pytest.mark.parametrize("script", OWN_SUB_ENVS)
@@ -376,9 +366,8 @@ def test_each_seed_learns_from_its_own_sub_envs(script, request, tmp_path, monke
     """With 2 seeds of 2 envs, row k of the update's first batch holds sub-envs 2k and 2k + 1."""
     fixture, env_class, shape, num_steps = OWN_SUB_ENVS[script]
     module = request.getfixturevalue(fixture)
-    observations, actions, batches = record_rollouts(
-        module, getattr(leanrl_utils.vector, env_class), "make_update", monkeypatch
-    )
+    env_class = getattr(leanrl_utils.vector, env_class)
+    observations, actions, batches = record_rollouts(module, env_class, "make_update", monkeypatch)
     assert main_in_process(module, "--num-seeds", 2, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
     assert batches[0][0].shape == shape and batches[0][1].shape == shape[:2]
     assert_rows_hold_their_seeds_sub_envs(batches[0], observations, actions, num_steps=num_steps)
@@ -387,9 +376,8 @@ def test_each_seed_learns_from_its_own_sub_envs(script, request, tmp_path, monke
 def test_pqn_seed_k_starts_as_a_single_run_of_seed_k(pqn, tmp_path, monkeypatch):
     """Seed 6 of a two-seed run from seed 5 starts from the weights and first observations of a single run of seed 6."""
     stacked = spy(monkeypatch, pqn.seeds, "stack", lambda out, nets: [copy.deepcopy(net.state_dict()) for net in nets])
-    policies = spy(
-        monkeypatch, pqn, "make_policy", lambda out, net, params, *rest, **kw: {k: t[0].clone() for k, t in params.items()}
-    )
+    first_seed = lambda out, net, params, *rest, **kw: {k: t[0].clone() for k, t in params.items()}
+    policies = spy(monkeypatch, pqn, "make_policy", first_seed)
     obs = spy(monkeypatch, pqn.vector.SameStepEnvs, "reset", lambda out, self, **kwargs: out[0].copy())
     assert main_in_process(pqn, "--num-seeds", 2, "--seed", 5, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
     assert main_in_process(pqn, "--seed", 6, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
@@ -426,11 +414,8 @@ def test_two_seeds_run_with_a_folder_each(script, mode, workdir):
     argv = [*TINY[family(path)], *mode, *extra, *save, *track, "--num-seeds", 2, "--seed", 5, "--eval-episodes", 1]
     summary, _ = run_script(path, *argv, cwd=workdir, env={"WANDB_MODE": "offline"})
     assert len(list((Path(workdir) / "wandb").glob("offline-run-*"))) == 2 * len(track)  # a wandb run per seed
-    assert (
-        summary["num_seeds"] == 2
-        and summary["total_steps"] == steps
-        and summary["updates"] == (updates or summary["updates"]) > 0
-    )
+    assert summary["num_seeds"] == 2 and summary["total_steps"] == steps
+    assert summary["updates"] == (updates or summary["updates"]) > 0
     assert len(summary["episodic_returns"]) == len(summary["eval_returns"]) == 2
     assert None not in summary["episodic_returns"] and None not in summary["eval_returns"], summary
     assert summary["episodic_return"] == pytest.approx(sum(summary["episodic_returns"]) / 2, abs=1e-3)
@@ -462,6 +447,8 @@ def test_two_seeds_run_with_a_folder_each(script, mode, workdir):
 BAD = {
     "dqn-zero": (PATH, ["--num-seeds", 0], ["--num-seeds", "1 or more"]),
     "dqn-no-memory": (PATH, ["--num-seeds", 4, "--buffer-size", 10**12], ["--num-seeds 4", "GiB"]),
+    "dqn-atari-no-memory": (DQN_ATARI_PATH, ["--num-seeds", 3, "--buffer-size", 10**12],
+                            ["--num-seeds 3", "--buffer-size 1000000000000", "GiB"]),
     "pqn-seed-overflow": (PQN_PATH, ["--num-seeds", 2, "--seed", 2**32 - 1], ["--num-seeds 2", "2**31"]),
     "pqn-no-memory": (PQN_PATH, ["--num-seeds", 10**6], ["--num-seeds 1000000", "GiB"]),
     "pqn-torchenv-no-memory": (PQN_TORCHENV_PATH, ["--num-seeds", 10**6], ["--num-seeds 1000000", "GiB"]),
@@ -472,7 +459,7 @@ BAD = {
     "atari-target-kl": (ATARI_PATH, ["--num-seeds", 2, "--target-kl", 0.01], ["--target-kl", "--num-seeds 1"]),
     "atari-seed-overflow": (ATARI_PATH, ["--num-seeds", 2, "--seed", 2**32 - 1], ["--num-seeds 2", "2**31"]),
     "atari-no-memory": (ATARI_PATH, ["--num-seeds", 10**6], ["--num-seeds 1000000", "GiB"]),
-}
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", BAD)

@@ -158,79 +158,60 @@ def test_epsilon_schedule_end_points_in_both_scripts(family):
     assert plain.linear_schedule(1.0, args.end_e, 0, 0) == lean.linear_schedule(1.0, args.end_e, 0, 0) == args.end_e
 
 
-# Per family: each case's argv and the words of its one line, at TINY's settings.
+# Per "family/case": its argv and the words of its one line, at TINY's settings ("lean-": the lean script's only).
 BAD_INPUT = {
-    "dqn": {"continuous": (["--env-id", "Pendulum-v1"], ["Pendulum-v1", "discrete"])},
-    "dqn_atari_envpool": {
-        "small-buffer": (["--buffer-size", "10", "--batch-size", "4"], ["--buffer-size 10", "16"]),
-        "learning-starts": (["--learning-starts", "1"], ["--learning-starts 1", "2"]),
-        "batch": (["--batch-size", "300"], ["--batch-size 300", "--buffer-size 200"]),
-    },
-    "pqn": {
-        "continuous": (["--env-id", "Pendulum-v1"], ["Pendulum-v1", "Box action space", "discrete"]),
-        "minibatches": (["--num-minibatches", "3"], ["--num-minibatches 3", "128"]),
-        "budget": (["--total-timesteps", "100"], ["--total-timesteps 100", "128"]),
-        "lambda": (["--q-lambda", "1.5"], ["--q-lambda 1.5"]),
-    },
-    "pqn_atari_envpool": {
-        "minibatches": (["--num-minibatches", "3"], ["--num-minibatches 3", "32"]),
-        "budget": (["--total-timesteps", "20"], ["--total-timesteps 20", "32"]),
-        "lambda": (["--q-lambda", "-0.1"], ["--q-lambda -0.1"]),
-    },
-    "sac_continuous_action": {
-        "discrete-actions": (["--env-id", "CartPole-v1"], ["Discrete", "continuous"]),
-        "batch-over-buffer": (["--batch-size", "512", "--buffer-size", "256"], ["--batch-size", "--buffer-size"]),
-        "envs-over-buffer": (["--num-envs", "4", "--buffer-size", "2", "--batch-size", "2"], ["--num-envs", "--buffer-size"]),
-    },
-    "td3_continuous_action": {
-        "discrete-actions": (["--env-id", "CartPole-v1"], ["CartPole-v1", "Discrete", "continuous"]),
-        "batch-over-buffer": (["--batch-size", "300", "--buffer-size", "200"], ["--batch-size 300", "--buffer-size 200"]),
-        "envs-over-buffer": (
-            ["--num-envs", "4", "--buffer-size", "2", "--batch-size", "2"],
-            ["--num-envs 4", "--buffer-size 2"],
-        ),
-    },
-    "ppo": {
-        "box-env": (["--env-id", "Pendulum-v1"], ["Box", "discrete"]),
-        "minibatches": (["--num-minibatches", "7"], ["--num-minibatches", "divide"]),
-        "below-one-batch": (["--total-timesteps", "127"], ["--total-timesteps", "one batch", "128"]),
-        "minibatch-of-one": (["--num-minibatches", "128"], ["--num-minibatches", "minibatches of 1", "--no-norm-adv"]),
-    },
-    "ppo_continuous_action": {
-        "discrete-env": (["--env-id", "CartPole-v1"], ["Discrete", "continuous"]),
-        "minibatches": (["--num-minibatches", "7"], ["--num-minibatches", "divide"]),
-        "below-one-batch": (["--total-timesteps", "63"], ["--total-timesteps", "one batch", "64"]),
-        "minibatch-of-one": (["--num-minibatches", "64"], ["--num-minibatches", "minibatches of 1", "--no-norm-adv"]),
-    },
-    "ppo_atari_envpool": {
-        "minibatches": (["--num-minibatches", "3"], ["--num-minibatches 3", "32"]),
-        "below-one-batch": (["--total-timesteps", "16"], ["--total-timesteps 16", "32"]),
-        "minibatch-of-one": (["--num-minibatches", "32"], ["--num-minibatches 32", "--no-norm-adv"]),
-        # a typo and gymnasium's ALE spelling: the line suggests envpool's
-        "typo": (["--env-id", "Breakoutt-v5"], ["Breakoutt-v5", "Breakout-v5"]),
-        "ale-id": (["--env-id", "ALE/Breakout-v5"], ["ALE/Breakout-v5", "Breakout-v5"]),
-    },
-    # the torch-native pairs (an id they lack: test_faults_scripts.py); "lean-": the lean script's only
-    "pqn_torchenv": {
-        "video": (["--capture-video"], ["--capture-video", "pqn.py"]),
-        "minibatches": (["--num-minibatches", "3"], ["--num-minibatches 3", "128"]),
-        "lean-unroll": (["--unroll", "24"], ["--unroll 24", "--num-steps 64", "e.g. 16"]),
-    },
-    "ppo_torchenv": {
-        "minibatches": (["--num-minibatches", "7"], ["--num-minibatches", "divide"]),
-        "lean-unroll": (["--unroll", "7"], ["--unroll 7", "--num-steps 64", "e.g. 4"]),
-    },
-}
+    "dqn/continuous": (["--env-id", "Pendulum-v1"], ["Pendulum-v1", "discrete"]),
+    "dqn/no-memory": (["--buffer-size", 10**13], ["--buffer-size 10000000000000", "GiB"]),
+    "dqn_atari_envpool/no-memory": (["--buffer-size", 10**12], ["--buffer-size 1000000000000", "GiB"]),
+    "dqn_atari_envpool/small-buffer": (["--buffer-size", "10", "--batch-size", "4"], ["--buffer-size 10", "16"]),
+    "dqn_atari_envpool/learning-starts": (["--learning-starts", "1"], ["--learning-starts 1", "2"]),
+    "dqn_atari_envpool/batch": (["--batch-size", "300"], ["--batch-size 300", "--buffer-size 200"]),
+    "pqn/continuous": (["--env-id", "Pendulum-v1"], ["Pendulum-v1", "Box action space", "discrete"]),
+    "pqn/minibatches": (["--num-minibatches", "3"], ["--num-minibatches 3", "128"]),
+    "pqn/budget": (["--total-timesteps", "100"], ["--total-timesteps 100", "128"]),
+    "pqn/lambda": (["--q-lambda", "1.5"], ["--q-lambda 1.5"]),
+    "pqn_atari_envpool/minibatches": (["--num-minibatches", "3"], ["--num-minibatches 3", "32"]),
+    "pqn_atari_envpool/budget": (["--total-timesteps", "20"], ["--total-timesteps 20", "32"]),
+    "pqn_atari_envpool/lambda": (["--q-lambda", "-0.1"], ["--q-lambda -0.1"]),
+    "sac_continuous_action/discrete-actions": (["--env-id", "CartPole-v1"], ["Discrete", "continuous"]),
+    "sac_continuous_action/batch-over-buffer": (["--batch-size", "512", "--buffer-size", "256"],
+                                                ["--batch-size", "--buffer-size"]),
+    "sac_continuous_action/envs-over-buffer": (["--num-envs", "4", "--buffer-size", "2", "--batch-size", "2"],
+                                               ["--num-envs", "--buffer-size"]),
+    "td3_continuous_action/discrete-actions": (["--env-id", "CartPole-v1"], ["CartPole-v1", "Discrete", "continuous"]),
+    "td3_continuous_action/batch-over-buffer": (["--batch-size", "300", "--buffer-size", "200"],
+                                                ["--batch-size 300", "--buffer-size 200"]),
+    "td3_continuous_action/envs-over-buffer": (["--num-envs", "4", "--buffer-size", "2", "--batch-size", "2"],
+                                               ["--num-envs 4", "--buffer-size 2"]),
+    "ppo/box-env": (["--env-id", "Pendulum-v1"], ["Box", "discrete"]),
+    "ppo/minibatches": (["--num-minibatches", "7"], ["--num-minibatches", "divide"]),
+    "ppo/below-one-batch": (["--total-timesteps", "127"], ["--total-timesteps", "one batch", "128"]),
+    "ppo/minibatch-of-one": (["--num-minibatches", "128"], ["--num-minibatches", "minibatches of 1", "--no-norm-adv"]),
+    "ppo_continuous_action/discrete-env": (["--env-id", "CartPole-v1"], ["Discrete", "continuous"]),
+    "ppo_continuous_action/minibatches": (["--num-minibatches", "7"], ["--num-minibatches", "divide"]),
+    "ppo_continuous_action/below-one-batch": (["--total-timesteps", "63"], ["--total-timesteps", "one batch", "64"]),
+    "ppo_continuous_action/minibatch-of-one": (["--num-minibatches", "64"],
+                                               ["--num-minibatches", "minibatches of 1", "--no-norm-adv"]),
+    "ppo_atari_envpool/minibatches": (["--num-minibatches", "3"], ["--num-minibatches 3", "32"]),
+    "ppo_atari_envpool/below-one-batch": (["--total-timesteps", "16"], ["--total-timesteps 16", "32"]),
+    "ppo_atari_envpool/minibatch-of-one": (["--num-minibatches", "32"], ["--num-minibatches 32", "--no-norm-adv"]),
+    "ppo_atari_envpool/typo": (["--env-id", "Breakoutt-v5"], ["Breakoutt-v5", "Breakout-v5"]),
+    "ppo_atari_envpool/ale-id": (["--env-id", "ALE/Breakout-v5"], ["ALE/Breakout-v5", "Breakout-v5"]),
+    "pqn_torchenv/video": (["--capture-video"], ["--capture-video", "pqn.py"]),
+    "pqn_torchenv/minibatches": (["--num-minibatches", "3"], ["--num-minibatches 3", "128"]),
+    "pqn_torchenv/lean-unroll": (["--unroll", "24"], ["--unroll 24", "--num-steps 64", "e.g. 16"]),
+    "ppo_torchenv/minibatches": (["--num-minibatches", "7"], ["--num-minibatches", "divide"]),
+    "ppo_torchenv/lean-unroll": (["--unroll", "7"], ["--unroll 7", "--num-steps 64", "e.g. 4"]),
+}  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "path, case",
-    [(p, c) for f in BAD_INPUT for p in pair(f) for c in BAD_INPUT[f] if is_lean(p) or not c.startswith("lean-")],
-    ids=lambda v: getattr(v, "stem", v),
-)
+BAD_CASES = [(p, c) for c in BAD_INPUT for p in pair(c.split("/")[0]) if is_lean(p) or "/lean-" not in c]
+
+
+@pytest.mark.parametrize("path, case", BAD_CASES, ids=lambda v: getattr(v, "stem", v))
 def test_bad_input_is_one_line_before_any_work(path, case, monkeypatch, tmp_path, capsys):
     """Exit 2, one `error:` line naming the words, no traceback, nothing on stdout, no run folder."""
     module = load_script(path)
-    argv, words = BAD_INPUT[path.stem.removesuffix("_torchcompile")][case]
+    argv, words = BAD_INPUT[case]
     refused_in_process(module, *argv, words=words, tmp_path=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
     assert not (tmp_path / "runs").exists()

@@ -229,17 +229,15 @@ def test_a_changed_network_acts_as_the_module_does(lean, monkeypatch, num_seeds)
     with torch.no_grad():
         torch.manual_seed(1)
         action, logprob, value = policy(obs)
-        logits, expected_value = (
-            torch.cat(x) for x in zip(*map(lambda a, o: a(o), agents, obs.view(num_seeds, 5, 4, 84, 84)))
-        )
+        blocks = obs.view(num_seeds, 5, 4, 84, 84)
+        logits, expected_value = (torch.cat(x) for x in zip(*(agent(block) for agent, block in zip(agents, blocks))))
         torch.manual_seed(1)
         expected_action = (logits - (-torch.rand_like(logits).log()).log()).argmax(1)
     expected_logprob = logits.log_softmax(1).gather(1, expected_action[:, None]).squeeze(1)
     assert torch.equal(action, expected_action)
     if num_seeds == 1:
         assert torch.equal(value, expected_value) and torch.equal(logprob, expected_logprob)
-    torch.testing.assert_close(value, expected_value)
-    torch.testing.assert_close(logprob, expected_logprob)
+    torch.testing.assert_close((value, logprob), (expected_value, expected_logprob))
 
 
 @pytest.mark.parametrize("num_seeds", [1, 2])
@@ -314,10 +312,8 @@ def test_returns_count_whole_games_over_lives(script):
     for t in range(len(steps)):
         *_, infos = envs.step(np.zeros(2, dtype=np.int64))
         leanrl_utils.Run.episodes(run, t, infos)
-    assert charted == [
-        (2, {"charts/episodic_return": 20.0, "charts/episodic_length": 3}),
-        (6, {"charts/episodic_return": 30.0, "charts/episodic_length": 7}),
-    ]
+    point = lambda step, ret, length: (step, {"charts/episodic_return": ret, "charts/episodic_length": length})
+    assert charted == [point(2, 20.0, 3), point(6, 30.0, 7)]
 
 
 # Log-ratios per minibatch: the last minibatch's approx_kl stops after 4 then 2 updates (the mean: 2 + 2).
@@ -334,7 +330,6 @@ def test_target_kl_stops_both_scripts_at_the_same_epoch(plain, lean, monkeypatch
     monkeypatch.chdir(tmp_path)
     args = dict(TINY_ARGS, update_epochs=4, target_kl=TARGET_KL)
     expected = [(4, approx_kl(0.2)), (6, approx_kl(0.17))]  # (updates, logged approx_kl) per iteration
-
     # plain: the rollout's log-probabilities are 0, each minibatch's new ones the scripted ratio; lean: the same approx_kl
     feed, lean_feed = iter(LOGRATIOS + [0.0] * 16), iter(LOGRATIOS + [0.0] * 16)
     get_action_and_value = plain.Agent.get_action_and_value

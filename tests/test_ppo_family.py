@@ -9,18 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from conftest import (
-    TINY,
-    family,
-    is_lean,
-    load_script,
-    pair,
-    refused_call,
-    refused_in_process,
-    run_script,
-    stack_of_one,
-    unstacked,
-)
+from conftest import TINY, family, load_script, pair, refused_call, refused_in_process, run_script, stack_of_one, unstacked
 
 import leanrl_utils
 
@@ -249,8 +238,7 @@ def test_layer_without_a_numpy_form_is_one_line(fam, monkeypatch, tmp_path, caps
     torch.manual_seed(7)
     with torch.no_grad():
         expected_action, expected_value = fam.torch_act(agent, obs)
-    torch.testing.assert_close(value, expected_value, rtol=0, atol=0)
-    torch.testing.assert_close(action, expected_action, rtol=0, atol=0)
+    torch.testing.assert_close((value, action), (expected_value, expected_action), atol=0, rtol=0)
     monkeypatch.setattr(fam.lean, "Agent", gelu_agent)
     refused_in_process(fam.lean, words=[f"{fam.actor}.1 (GELU)"], tmp_path=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
 
@@ -281,8 +269,7 @@ def test_gae_matches_reference_loop(family):
     next_value = torch.randn(3, generator=g)
     advantages, returns = lean.make_gae(0.99, 0.95)(rewards, values, dones, next_value)
     expected = reference_gae(rewards, values, dones, next_value, 0.99, 0.95)
-    torch.testing.assert_close(advantages, expected)
-    torch.testing.assert_close(returns, expected + values)
+    torch.testing.assert_close((advantages, returns), (expected, expected + values))
     # At a done step the advantage is the last reward minus the value: nothing flows back.
     torch.testing.assert_close(advantages[-1, 0], rewards[-1, 0] - values[-1, 0])
 
@@ -297,11 +284,8 @@ KL_ENVS = {"ppo": dict(num_envs=1), "ppo_continuous_action": dict(env_id="Invert
 def test_target_kl_stops_after_the_epoch_whose_last_minibatch_exceeds_it(path, monkeypatch, tmp_path):
     module = load_script(path)
     minibatches, calls, logged = 2, [0], []
-
-    def scripted(k):
-        return (k // minibatches, k % minibatches) in SCRIPTED
-
-    if not is_lean(path):
+    scripted = lambda k: (k // minibatches, k % minibatches) in SCRIPTED
+    if "torchcompile" not in path.stem:
         # The plain loop computes approx_kl from the log-ratio: shift the new log-probabilities.
         get_action_and_value = module.Agent.get_action_and_value
 
@@ -351,9 +335,8 @@ def test_same_seed_same_run(path, workdir):
     runs = [run_script(path, *TINY[family(path)], cwd=workdir)[0] for _ in range(2)]
     first, second = ({k: v for k, v in run.items() if k not in timing} for run in runs)
     assert first == second and first["updates"] == 16 and first["episodic_return"] is not None
-    curve = lambda run: [
-        (r["step"], r["episodic_return"]) for r in csv.DictReader(open(workdir / run["run_dir"] / "curve.csv"))
-    ]
+    rows = lambda run: csv.DictReader(open(workdir / run["run_dir"] / "curve.csv"))
+    curve = lambda run: [(r["step"], r["episodic_return"]) for r in rows(run)]
     curves = [curve(run) for run in runs]
     assert curves[0] == curves[1] and curves[0]
 
@@ -370,6 +353,6 @@ LEARNING = {
 @pytest.mark.parametrize("path", [*PATHS, *pair("ppo_torchenv")], ids=lambda p: p.stem)
 def test_learns(path, workdir):
     argv, threshold = LEARNING[family(path)]
-    extra = ["--compile"] if is_lean(path) else []
+    extra = ["--compile"] if "torchcompile" in path.stem else []
     summary, _ = run_script(path, *argv, "--seed", "1", *extra, cwd=workdir, timeout=900)
     assert summary["episodic_return"] >= threshold, summary

@@ -24,8 +24,7 @@ def test_scan_gae_is_the_loop(lean, num_steps):
     advantages, returns = lean.make_gae(0.99, 0.95)(rewards, values, dones, next_value)
     flat = [x.flatten(1) for x in (rewards, values, dones)]
     expected = reference_gae(*flat, next_value.flatten(), 0.99, 0.95).view_as(rewards)
-    torch.testing.assert_close(advantages, expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(returns, expected + values, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close((advantages, returns), (expected, expected + values), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(advantages[-1, 0, 0], rewards[-1, 0, 0] - values[-1, 0, 0])
 
 

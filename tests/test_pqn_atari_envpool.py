@@ -167,12 +167,9 @@ def test_a_changed_network_acts_as_its_module(lean, monkeypatch, capsys):
         actions, values = lean.make_policy(q_network)(frames, explore, random_actions)
         assert torch.equal(actions, torch.where(explore, random_actions, expected.argmax(1)))
         assert torch.equal(values, expected.max(1).values)
-
         params = dict(leanrl_utils.seeds.stack([q_network]).items())
         assert torch.equal(leanrl_utils.seeds.forward(q_network)(params, frames[None])[0], expected)
-
         refused_call(capsys, leanrl_utils.acting.numpy_forward, q_network, params, words=["network.0 (Conv2d)"])
-
         head = q_network.network[7:]  # after Flatten; its layers keep their names ("7", ...)
         features = [net.network[:7](frames / 255.0) for net in (q_network, other)]
         for nets in ([q_network], [q_network, other]):
@@ -186,7 +183,6 @@ def test_a_changed_network_acts_as_its_module(lean, monkeypatch, capsys):
                 expected = net.network[7:](features[k])
                 torch.testing.assert_close(torch.from_numpy(in_numpy[k]), expected, rtol=1e-5, atol=1e-5)
                 torch.testing.assert_close(in_torch[k], expected, **exact)
-
     gelu = changed_network(lean, head_activation=nn.GELU)(6)
     params = {name: p for name, p in leanrl_utils.seeds.stack([gelu]).items() if int(name.split(".")[1]) >= 7}
     numpy_head = leanrl_utils.acting.numpy_forward

@@ -26,9 +26,8 @@ def short_env_too(monkeypatch):
 def test_returns_match_the_reference_loop(lean):
     """The returns of [steps, seeds, envs] rollouts, each env as test_pqn's reference loop (1e-5)."""
     rewards, values, next_value, dones = test_pqn.rollout_case(num_envs=6)
-    got = lean.make_returns(0.99, 0.65)(
-        *(x.view(16, 2, 3) for x in (rewards, values)), next_value.view(2, 3), dones.view(16, 2, 3)
-    )
+    views = rewards.view(16, 2, 3), values.view(16, 2, 3), next_value.view(2, 3), dones.view(16, 2, 3)
+    got = lean.make_returns(0.99, 0.65)(*views)
     expected = test_pqn.reference_returns(*[x.double().numpy() for x in (rewards, values, next_value, dones)], 0.99, 0.65)
     torch.testing.assert_close(got.view(16, 6).double(), torch.from_numpy(expected), rtol=0, atol=1e-5)
 
@@ -47,9 +46,8 @@ def test_a_stack_of_seeds_rolls_out_as_each_seed_alone(lean, num_seeds):
     env = leanrl_envs.make("CartPole-v1", 5)
     torch.manual_seed(0)
     nets = [lean.QNetwork(4, 2) for _ in range(num_seeds)]
-    rollout = lean.make_rollout(
-        lean.make_policy(nets[0], dict(leanrl_utils.seeds.stack(nets).items())), lean.make_env_step(env, num_seeds), 4
-    )
+    policy = lean.make_policy(nets[0], dict(leanrl_utils.seeds.stack(nets).items()))
+    rollout = lean.make_rollout(policy, lean.make_env_step(env, num_seeds), 4)
     starts = [env.reset(seed=7 + k) for k in range(num_seeds)]
     state = leanrl_envs.State(*(torch.stack(x) for x in zip(*(s for s, _ in starts))))
     obs = torch.stack([o for _, o in starts])

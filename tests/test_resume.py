@@ -95,9 +95,7 @@ final_weights = lambda workdir, summary: torch.load(Path(workdir) / summary["che
 
 TWICE = [s for s in RESUMABLE if s.stem in ("dqn_torchcompile", "ppo_continuous_action_torchcompile")]
 # Compiled, a run resumes by compiling anew: the replay-buffer, observation-statistics and learned-temperature states.
-LEAN = [
-    s for s in RESUMABLE if s.stem in [f"{f}_torchcompile" for f in ("dqn", "ppo_continuous_action", "sac_continuous_action")]
-]
+LEAN = [s for s in RESUMABLE if "compile" in s.stem and family(s) in ("dqn", "ppo_continuous_action", "sac_continuous_action")]
 UNBROKEN = {f"{s.stem}{suffix}": (s, times, compiled) for suffix, times, compiled, group in
             (("", 1, False, RESUMABLE), ("-x2", 2, False, TWICE), ("-compile", 1, True, LEAN)) for s in group}  # fmt: skip
 
@@ -192,9 +190,8 @@ def test_atari_run_resumes_with_its_saved_state_and_completes_its_budget(script,
     # PPO and PQN: 4 iterations of 32 steps; DQN: 2 envs, past learning starts (its tiny budget, 400 steps)
     total, at = (400, 120) if family(script) == "dqn_atari_envpool" else (128, 40)
     argv = [*TINY[family(script)], "--total-timesteps", total]
-    proc = start_script(
-        script, tmp_path, *argv, before=signal_at_step(at, where="leanrl_utils.vector:RecordEpisodeStatistics")
-    )
+    before = signal_at_step(at, where="leanrl_utils.vector:RecordEpisodeStatistics")
+    proc = start_script(script, tmp_path, *argv, before=before)
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 143, stderr
     assert_resumes_with_its_state(script, next((tmp_path / "runs").iterdir()), total)
@@ -262,9 +259,8 @@ BAD_RESUMES = {
 def test_resume_refuses_what_it_cannot_honour_in_one_line(stopped_run, tmp_path, case):
     script, run_dir = stopped_run
     other, change, flags, words = BAD_RESUMES[case]
-    _, proc = run_script(
-        script.with_name(f"{other}.py"), "--resume", (change or Path)(run_dir), *flags, cwd=tmp_path, check=False
-    )
+    resumed = (change or Path)(run_dir)
+    _, proc = run_script(script.with_name(f"{other}.py"), "--resume", resumed, *flags, cwd=tmp_path, check=False)
     assert_one_line_error(proc, *words, code=2)
 
 

@@ -94,9 +94,7 @@ def partial_then(exc):
     return save
 
 
-@pytest.mark.parametrize(
-    "exc", [OSError(errno.ENOSPC, "No space left on device"), KeyboardInterrupt(), RuntimeError("boom")], ids=repr
-)
+@pytest.mark.parametrize("exc", [OSError(errno.ENOSPC, "No space left"), KeyboardInterrupt(), RuntimeError("boom")], ids=repr)
 def test_atomic_save_leaves_no_tmp_and_the_old_file_whole(exc, tmp_path, monkeypatch):
     path = str(tmp_path / "model.pt")
     leanrl_utils.checkpoints.atomic_save({"old": torch.ones(2)}, path)
@@ -173,15 +171,15 @@ leanrl_utils.checkpoints.atomic_save = signalled_save
 """
 
 
-@pytest.mark.parametrize(
-    "signums", [(signal.SIGINT,), (signal.SIGTERM,), (signal.SIGINT, signal.SIGTERM), (signal.SIGTERM, signal.SIGINT)]
-)
+INT, TERM = signal.SIGINT, signal.SIGTERM
+
+
+@pytest.mark.parametrize("signums", [(INT,), (TERM,), (INT, TERM), (TERM, INT)])
 def test_signals_during_the_final_save_are_recorded(signums, tmp_path):
     """The save completes, evaluation is skipped, the summary says interrupted, the exit status is the first signal's."""
     before = SIGNALS_IN_SAVE.format(signums=[int(s) for s in signums])
-    summary, proc = run_script(
-        DQN, *tiny(DQN, "--save-model", "--eval-episodes", "20"), cwd=tmp_path, before=before, check=False
-    )
+    argv = tiny(DQN, "--save-model", "--eval-episodes", "20")
+    summary, proc = run_script(DQN, *argv, cwd=tmp_path, before=before, check=False)
     assert proc.returncode == 128 + signums[0] and "Traceback" not in proc.stderr, (proc.returncode, proc.stderr)
     assert summary["interrupted"] is True and summary["eval_return"] is None
     checkpoint = torch.load(tmp_path / summary["checkpoint"], weights_only=True)

@@ -50,14 +50,12 @@ def lean_learner(lean, args, state, compiled=False):
     actor_optimizer = leanrl_utils.optimizers.Adam(actor.named_parameters(), args.policy_lr, **opt)
     a_optimizer = leanrl_utils.optimizers.Adam([("log_alpha", log_alpha)], args.q_lr, **opt) if args.autotune else None
     storage = filled_storage(lean)
-    update_critic, update_actor = lean.make_update(
-        actor, qf1, target_params, alpha, q_optimizer, actor_optimizer, a_optimizer, storage, args.gamma
-    )
+    optimizers = q_optimizer, actor_optimizer, a_optimizer
+    update_critic, update_actor = lean.make_update(actor, qf1, target_params, alpha, *optimizers, storage, args.gamma)
     if compiled:  # fullgraph: each update one graph (a graph break raises), as main compiles them
         options = {"guard_filter_fn": leanrl_utils.speed.value_guards}
-        update_critic, update_actor = (
-            torch.compile(f, fullgraph=True, options=options) for f in (update_critic, update_actor)
-        )
+        one_graph = lambda f: torch.compile(f, fullgraph=True, options=options)
+        update_critic, update_actor = one_graph(update_critic), one_graph(update_actor)
     nets = {"actor": actor, "qf1": qf1, "qf2": qf2, "log_alpha": log_alpha, "alpha": alpha}
     return nets, storage, update_critic, update_actor, lambda: target_params.lerp_(q_params, args.tau), target_params
 
@@ -181,9 +179,7 @@ def test_lean_networks_compute_what_the_plain_ones_do(plain, lean, monkeypatch):
     q_params = dict(torch.stack([from_module(qf1).data, from_module(qf2).data]).flatten_keys(".").items())
     obs, act = torch.randn(batch, n_obs), torch.randn(batch, n_act)
     q = leanrl_utils.seeds.forward(lean.SoftQNetwork(n_obs, n_act, device="meta"), shared=(0, 1))(q_params, obs, act)
-    torch.testing.assert_close(q[0], qf1(obs, act), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(q[1], qf2(obs, act), rtol=1e-5, atol=1e-6)
-
+    torch.testing.assert_close((q[0], q[1]), (qf1(obs, act), qf2(obs, act)), atol=1e-6, rtol=1e-5)
     noise = torch.randn(batch, n_act)
     monkeypatch.setattr(torch.distributions.normal, "_standard_normal", lambda shape, dtype, device: noise.clone())
     monkeypatch.setattr(torch, "randn_like", lambda x: noise.clone())
@@ -246,7 +242,6 @@ def test_changed_networks_reach_the_update_and_the_policy(lean, monkeypatch, cha
     actor, qf1, qf2, alpha = nets["actor"], nets["qf1"], nets["qf2"], nets["alpha"]
     modules = {"actor": actor, "qf1": qf1, "qf2": qf2}
     assert isinstance(qf1, qf_class) and isinstance(actor, actor_class)
-
     idx = batches(1)[0]
     obs, act, next_obs = storage["obs"][idx], storage["actions"][idx], storage["next_obs"][idx]
     q_params = dict(torch.stack([from_module(qf1).data, from_module(qf2).data]).flatten_keys(".").items())
@@ -254,7 +249,6 @@ def test_changed_networks_reach_the_update_and_the_policy(lean, monkeypatch, cha
         q = leanrl_utils.seeds.forward(qf1, shared=(0, 1))(q_params, obs, act)
         for i, qf in enumerate((qf1, qf2)):
             torch.testing.assert_close(q[i], qf(obs, act), rtol=1e-5, atol=1e-6)
-
         targets = copy.deepcopy(qf1), copy.deepcopy(qf2)  # the targets start as copies
         torch.manual_seed(5)
         next_actions, next_log_pi, _ = actor.get_action(next_obs)
@@ -266,7 +260,6 @@ def test_changed_networks_reach_the_update_and_the_policy(lean, monkeypatch, cha
         before = {f"{net}.{name}": p.clone() for net, module in modules.items() for name, p in module.named_parameters()}
         torch.manual_seed(5)
         torch.testing.assert_close(update_critic(idx), expected, rtol=1e-5, atol=1e-6)
-
         torch.manual_seed(6)
         pi, log_pi, _ = actor.get_action(obs)
         expected_actor_loss = (alpha * log_pi - torch.min(qf1(obs, pi), qf2(obs, pi))).mean()
@@ -275,7 +268,6 @@ def test_changed_networks_reach_the_update_and_the_policy(lean, monkeypatch, cha
     after = {f"{net}.{name}": p for net, module in modules.items() for name, p in module.named_parameters()}
     assert len(after) == len(before) and [name for name in before if torch.equal(before[name], after[name])] == []
     assert ("qf1.trunk.2.weight" in before) == ("actor.trunk.2.weight" in before) == CHANGES[change][2]
-
     # The policy: the actor's copy on views of its parameters, as main builds it.
     actor_detach = lean.Actor(N_OBS, N_ACT, LOW, HIGH, device="meta")
     from_module(actor).data.to_module(actor_detach)

@@ -7,12 +7,8 @@ from conftest import TINY, family, is_lean, run_script, scripts
 
 ALL = scripts("*.py")
 LEAN = [s for s in ALL if is_lean(s)]
-MODES = {
-    "eager": [],
-    "compile": ["--compile"],
-    "cudagraphs": ["--cudagraphs"],
-    "compile+cudagraphs": ["--compile", "--cudagraphs"],
-}
+MODES = {"eager": [], "compile": ["--compile"], "cudagraphs": ["--cudagraphs"]}
+MODES["compile+cudagraphs"] = ["--compile", "--cudagraphs"]
 CUDA_NOTICE = "notice: --cudagraphs needs a CUDA device; running without CUDA graphs"
 NO_WANDB = "assert 'wandb' not in sys.modules, 'wandb was imported'"  # without --track nothing imports it
 

@@ -120,12 +120,8 @@ def run_plain(plain, networks, storage, batches, args):
         data_obs, data_actions, data_rewards, data_next_obs, data_dones = (storage[key][idx] for key in KEYS)
         with torch.no_grad():
             noise = (torch.randn_like(data_actions) * args.policy_noise).clamp(-args.noise_clip, args.noise_clip)
-            next_state_actions = (target_actor(data_next_obs) + noise * target_actor.action_scale).clamp(
-                action_low, action_high
-            )
-            min_qf_next_target = torch.min(
-                qf1_target(data_next_obs, next_state_actions), qf2_target(data_next_obs, next_state_actions)
-            )
+            next_actions = (target_actor(data_next_obs) + noise * target_actor.action_scale).clamp(action_low, action_high)
+            min_qf_next_target = torch.min(qf1_target(data_next_obs, next_actions), qf2_target(data_next_obs, next_actions))
             next_q_value = data_rewards + (1 - data_dones) * args.gamma * min_qf_next_target.view(-1)
         qf1_a_values = qf1(data_obs, data_actions).view(-1)
         qf2_a_values = qf2(data_obs, data_actions).view(-1)
@@ -180,9 +176,8 @@ def test_lean_update_is_the_plain_update(plain, lean, network):
     lean_targets = [target_params["actor"], target_params["qnet"][0], target_params["qnet"][1]]
     for lean_net, plain_net, lean_target, plain_target in zip(lean_nets, plain_nets, lean_targets, plain_targets):
         torch.testing.assert_close(lean_net.state_dict(), plain_net.state_dict(), rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(
-            dict(lean_target.flatten_keys(".").items()), plain_target.state_dict(), rtol=1e-5, atol=1e-6
-        )
+        lean_target = dict(lean_target.flatten_keys(".").items())
+        torch.testing.assert_close(lean_target, plain_target.state_dict(), rtol=1e-5, atol=1e-6)
     # The steps moved every network and target (else the comparison above proves nothing).
     for before, after in zip(networks, plain_nets):
         assert not torch.equal(before.fc2.weight, after.fc2.weight)

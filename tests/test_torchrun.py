@@ -9,24 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
-    TINY,
-    assert_bad_input,
-    family,
-    load_script,
-    pair,
-    run_script,
-    script_command,
-    script_env,
-    scripts,
-    signal_at_step,
-)
+from conftest import assert_bad_input, load_script, pair, run_script, script_command, script_env, scripts, signal_at_step, tiny
 
 # The lean PPO scripts that take torchrun (--dist-timeout among their flags; not those whose envs live on the device).
 LEAN_PPO = [s for s in scripts("ppo_*_torchcompile.py") if "dist_timeout" in load_script(s).Args.__dataclass_fields__]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 # Two iterations of both ranks at TINY sizes, so that a log point follows an update twice.
-TWO_RANKS = {"ppo_continuous_action": ["--total-timesteps", "256"], "ppo_atari_envpool": ["--total-timesteps", "128"]}
+TWO_RANKS = {
+    f"{f}_torchcompile": ["--total-timesteps", n] for f, n in (("ppo_continuous_action", "256"), ("ppo_atari_envpool", "128"))
+}
 
 
 def torchrun(script, *args, cwd, nproc=2, timeout=900, env=None, before=""):
@@ -38,9 +29,7 @@ def torchrun(script, *args, cwd, nproc=2, timeout=900, env=None, before=""):
 
 
 # The JSON summary lines in torchrun's stdout (every rank's stdout goes there).
-summaries = lambda proc: [
-    json.loads(line, parse_constant=pytest.fail) for line in proc.stdout.splitlines() if line.startswith("{")
-]
+summaries = lambda proc: [json.loads(line, parse_constant=pytest.fail) for line in proc.stdout.splitlines() if line[:1] == "{"]
 
 
 def checksum(state_dict):
@@ -52,16 +41,16 @@ def checksum(state_dict):
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compile"])
 @pytest.mark.parametrize("script", LEAN_PPO, ids=lambda p: p.stem)
 def test_two_ranks_end_identical(script, compiled, workdir):
-    args = [*TINY[family(script)], *TWO_RANKS[family(script)], "--save-model", *(["--compile"] if compiled else [])]
+    args = [*tiny(script), *TWO_RANKS[script.stem], "--save-model", *(["--compile"] if compiled else [])]
     proc = torchrun(script, *args, cwd=workdir)
     assert proc.returncode == 0, proc.stderr[-4000:]
     (summary,) = summaries(proc)  # rank 0's only
     assert summary["world_size"] == 2 and summary["compile"] == compiled
     # One batch of a single process from the checkpoint: it loads, and its batch is half the global one.
-    argv = [*TINY[family(script)], "--total-timesteps", summary["batch_size"] // 2, "--load-model", summary["checkpoint"]]
+    argv = [*tiny(script), "--total-timesteps", summary["batch_size"] // 2, "--load-model", summary["checkpoint"]]
     single, _ = run_script(script, *argv, cwd=workdir)
     assert summary["batch_size"] == 2 * single["batch_size"], (summary, single)
-    assert summary["total_steps"] == int(TWO_RANKS[family(script)][1]) and summary["updates"] == 8
+    assert summary["total_steps"] == int(TWO_RANKS[script.stem][1]) and summary["updates"] == 8
     # Every rank's checksum of its final parameters, gathered by the script, is that of rank 0's checkpoint.
     first, second = map(float, summary["rank_checksums"])
     assert first == second, summary["rank_checksums"]
@@ -140,14 +129,14 @@ def test_two_ranks_learn_inverted_pendulum(workdir):
     assert summary["episodic_return"] >= LEARNING["ppo_continuous_action"][1], summary
 
 
+BACKENDS = {"nccl-on-cpu": (["--backend", "nccl"], ["nccl", "--backend gloo"]),
+            "unknown-backend": (["--backend", "mpi"], ["mpi", "gloo", "nccl"])}  # fmt: skip
+
+
 @pytest.mark.parametrize("script", LEAN_PPO, ids=lambda p: p.stem)
-@pytest.mark.parametrize(
-    "bad_args, words",
-    [(["--backend", "nccl"], ["nccl", "--backend gloo"]), (["--backend", "mpi"], ["mpi", "gloo", "nccl"])],
-    ids=["nccl-on-cpu", "unknown-backend"],
-)
+@pytest.mark.parametrize("bad_args, words", BACKENDS.values(), ids=BACKENDS)
 def test_unavailable_backend_is_one_clear_line(script, bad_args, words, workdir):
-    assert_bad_input(script, *TINY[family(script)], *bad_args, words=words, cwd=workdir)
+    assert_bad_input(script, *tiny(script), *bad_args, words=words, cwd=workdir)
 
 
 @pytest.mark.parametrize("script", LEAN_PPO, ids=lambda p: p.stem)
@@ -158,13 +147,13 @@ def test_a_rank_alone_stops_with_one_line(script, workdir):
         port = s.getsockname()[1]
     env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     words = ["rank 0", "could not join", "--rdzv-endpoint"]
-    assert_bad_input(script, *TINY[family(script)], "--dist-timeout", "2", words=words, cwd=workdir, env=env)
+    assert_bad_input(script, *tiny(script), "--dist-timeout", "2", words=words, cwd=workdir, env=env)
 
 
 def test_a_stopped_run_resumes_under_torchrun_as_the_unbroken_run(workdir):
     """SIGTERM to rank 1: saved and resumed as the unbroken run."""
     script = scripts("ppo_continuous_action_torchcompile.py")[0]
-    args = [*TINY[family(script)], "--total-timesteps", "512", "--save-model"]  # 4 iterations of 2 x 64 steps
+    args = [*tiny(script), "--total-timesteps", "512", "--save-model"]  # 4 iterations of 2 x 64 steps
     (whole := workdir / "whole").mkdir()
     (parts := workdir / "parts").mkdir()
     unbroken = torchrun(script, *args, cwd=whole)

@@ -18,10 +18,7 @@ ALL = scripts("*.py")
 @pytest.mark.parametrize("env_id", ["CartPole-v1", "InvertedPendulum-v5"])
 def test_same_step_envs_step_as_gymnasium_does(env_id):
     """Through ends of both kinds, the arrays and statistics of gymnasium's SAME_STEP vector env."""
-
-    def thunk():
-        return gym.wrappers.RecordEpisodeStatistics(gym.make(env_id, max_episode_steps=12))
-
+    thunk = lambda: gym.wrappers.RecordEpisodeStatistics(gym.make(env_id, max_episode_steps=12))
     ours = leanrl_utils.vector.SameStepEnvs([thunk] * 3)
     theirs = gym.vector.SyncVectorEnv([thunk] * 3, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
     for a, b in zip(ours.reset(seed=5)[0], theirs.reset(seed=5)[0]):
@@ -46,30 +43,20 @@ def test_same_step_envs_step_as_gymnasium_does(env_id):
             ends += done.sum()
             truncations += gyms[3].sum()
     assert ends - truncations >= 10 and truncations >= 10, (ends, truncations)
-    ours.close()
-    theirs.close()
+    ours.close(), theirs.close()
 
 
 NETWORKS = {
     "relu": lambda: nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 3)),
     "tanh, extra layer": lambda: nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 9), nn.Tanh(), nn.Linear(9, 3)),
     "layernorm": lambda: nn.Sequential(nn.Linear(5, 12), nn.LayerNorm(12), nn.ReLU(), nn.Linear(12, 3)),
-    "every activation": lambda: nn.Sequential(
-        nn.Linear(5, 8),
-        nn.SiLU(),
-        nn.Linear(8, 8),
-        nn.ELU(),
-        nn.Linear(8, 8),
-        nn.LeakyReLU(0.1),
-        nn.Linear(8, 8),
-        nn.Sigmoid(),
-        nn.Identity(),
-        nn.Linear(8, 3),
-    ),  # fmt: skip
+    "every activation": lambda: nn.Sequential(nn.Linear(5, 8), nn.SiLU(), nn.Linear(8, 8), nn.ELU(), nn.Linear(8, 8),
+                                              nn.LeakyReLU(0.1), nn.Linear(8, 8), nn.Sigmoid(), nn.Identity(),
+                                              nn.Linear(8, 3)),
     "activation first": lambda: nn.Sequential(nn.ReLU(), nn.Linear(5, 3)),
     # Arithmetic, a function, a method and a sliced input in the forward: followed op by op.
     "edited forward": lambda: Edited(lambda y, x: torch.tanh(y).exp() * 2.0 - x[:, :3].flatten(1)),
-}
+}  # fmt: skip
 
 
 def stacked(make, num_seeds):
@@ -122,16 +109,15 @@ class Edited(nn.Module):
         return self.op(self.network(x / 255.0), x)
 
 
-@pytest.mark.parametrize(
-    "make, words",
-    [
-        (lambda: nn.Sequential(nn.Linear(5, 4), nn.GELU(), nn.Linear(4, 3)), ["layer 1", "GELU"]),
-        (lambda: nn.Sequential(nn.Linear(5, 4), nn.Softplus(), nn.Linear(4, 3)), ["layer 1", "Softplus"]),
-        (lambda: Edited(lambda y, x: y.softmax(-1)), ["softmax", "Edited.forward"]),
-        (lambda: Edited(lambda y, x: y if x.sum() > 0 else -y), ["trace", "Edited.forward"]),
-    ],
-    ids=["gelu", "softplus", "forward-op", "forward-branch"],
-)
+UNFOLLOWED = {
+    "gelu": (lambda: nn.Sequential(nn.Linear(5, 4), nn.GELU(), nn.Linear(4, 3)), ["layer 1", "GELU"]),
+    "softplus": (lambda: nn.Sequential(nn.Linear(5, 4), nn.Softplus(), nn.Linear(4, 3)), ["layer 1", "Softplus"]),
+    "forward-op": (lambda: Edited(lambda y, x: y.softmax(-1)), ["softmax", "Edited.forward"]),
+    "forward-branch": (lambda: Edited(lambda y, x: y if x.sum() > 0 else -y), ["trace", "Edited.forward"]),
+}
+
+
+@pytest.mark.parametrize("make, words", UNFOLLOWED.values(), ids=UNFOLLOWED)
 def test_what_numpy_cannot_follow_is_refused_in_one_line(make, words, capsys):
     nets, params = stacked(make, 2)
     refused_call(capsys, leanrl_utils.acting.numpy_forward, nets[0], dict(params.items()), words=words)
