@@ -133,8 +133,7 @@ def error_line(err, *words):
     """Of stderr `err`: its one line starting with 'error:', naming `words` (any case), and no traceback."""
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in err, err
-    for word in words:
-        assert word.lower() in errors[0].lower(), errors[0]
+    assert all(word.lower() in errors[0].lower() for word in words), errors[0]
     return errors[0]
 
 
@@ -165,8 +164,7 @@ def load_script(path):
     path = Path(path)
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
-    # Registered, because dynamo looks a compiled function's globals up through sys.modules.
-    sys.modules[path.stem] = module
+    sys.modules[path.stem] = module  # Registered, because dynamo looks a compiled function's globals up through sys.modules.
     spec.loader.exec_module(module)
     return module
 
@@ -299,8 +297,7 @@ def dqn_learner(lean, nets, targets, storage, gamma=0.99, learning_rate=2.5e-4):
 
 def build_plain_targets_too(lean, monkeypatch, targets):
     """The lean script also builds `targets` after its first three networks, as the plain one draws their weights."""
-    originals = {name: getattr(lean, name) for name in set(targets) | {"Actor"}}
-    built = []
+    originals, built = {name: getattr(lean, name) for name in set(targets) | {"Actor"}}, []
 
     def builder(name):
         def build(*args, **kwargs):
@@ -340,8 +337,7 @@ def recorded_runs(modules, args, monkeypatch):
 def assert_same_run(plain_run, lean_run, names, metrics_abs=1e-6, weights_rtol=1e-4, weights_atol=1e-6):
     """Two recorded runs log the same metrics `names` at every log point and end with the same weights."""
     (plain_logs, plain_final), (lean_logs, lean_final) = plain_run, lean_run
-    assert len(plain_logs) == len(lean_logs) > 1
-    assert any(name in log for log in lean_logs for name in names)
+    assert len(plain_logs) == len(lean_logs) > 1 and any(name in log for log in lean_logs for name in names)
     for i, (p, q) in enumerate(zip(plain_logs, lean_logs)):
         for name in names:
             assert (name in p) == (name in q), (i, name)  # DQN logs no loss before learning starts
@@ -374,31 +370,22 @@ is_lean = lambda script: Path(script).stem.endswith("_torchcompile")
 CARTPOLE_ROLLOUTS = "--total-timesteps 512 --num-envs 2 --num-steps 64 --num-minibatches 2 --update-epochs 2"
 # Atari PPO and PQN: 2 envs, 16 steps, 2 iterations (4 minibatch updates each).
 ATARI_ROLLOUTS = "--env-id Breakout-v5 --num-envs 2 --num-steps 16 --total-timesteps 64 --num-minibatches 2 --update-epochs 2"
-TINY = {
-    family: argv.split()
-    for family, argv in {
-        "ppo_continuous_action": "--env-id InvertedPendulum-v5 --total-timesteps 256 --num-steps 64 --num-minibatches 2"
-        " --update-epochs 2",
-        "ppo": CARTPOLE_ROLLOUTS,
-        "pqn": CARTPOLE_ROLLOUTS,
-        "pqn_torchenv": CARTPOLE_ROLLOUTS,
-        "ppo_torchenv": CARTPOLE_ROLLOUTS,
-        # Learning starts after step 64; 236 updates; logs at steps 100, 200 and 300.
-        "sac_continuous_action": "--env-id Pendulum-v1 --total-timesteps 300 --learning-starts 64 --batch-size 32"
-        " --buffer-size 1000",
-        # Learning starts after step 32; 208 updates; logs at steps 100, 200 and 240.
-        "td3_continuous_action": "--env-id Pendulum-v1 --total-timesteps 240 --learning-starts 32 --batch-size 16"
-        " --buffer-size 1000",
-        # Learning starts at step 100; 75 updates; target copies every 50 steps; logs at steps 100, 200, 300, 400.
-        "dqn": "--total-timesteps 400 --learning-starts 100 --batch-size 32 --buffer-size 500 --train-frequency 4"
-        " --target-network-frequency 50",
-        # Atari: 2 envs, as DQN's, and a buffer of 100 rows per env, which wraps.
-        "dqn_atari_envpool": "--env-id Breakout-v5 --num-envs 2 --total-timesteps 400 --learning-starts 100"
-        " --batch-size 32 --buffer-size 200 --target-network-frequency 50",
-        "ppo_atari_envpool": ATARI_ROLLOUTS,
-        "pqn_atari_envpool": ATARI_ROLLOUTS,
-    }.items()
-}
+PENDULUM = " --buffer-size 1000"
+TINY = {family: argv.split() for family, argv in {
+    **dict.fromkeys(["ppo", "pqn", "pqn_torchenv", "ppo_torchenv"], CARTPOLE_ROLLOUTS),
+    **dict.fromkeys(["ppo_atari_envpool", "pqn_atari_envpool"], ATARI_ROLLOUTS),
+    "ppo_continuous_action": "--env-id InvertedPendulum-v5 --total-timesteps 256 --num-steps 64 --num-minibatches 2"
+    " --update-epochs 2",
+    # Learning starts after step 64 (SAC: 236 updates; logs at steps 100, 200, 300) or 32 (TD3: 208; 100, 200, 240).
+    "sac_continuous_action": "--env-id Pendulum-v1 --total-timesteps 300 --learning-starts 64 --batch-size 32" + PENDULUM,
+    "td3_continuous_action": "--env-id Pendulum-v1 --total-timesteps 240 --learning-starts 32 --batch-size 16" + PENDULUM,
+    # Learning starts at step 100; 75 updates; target copies every 50 steps; logs at steps 100, 200, 300, 400.
+    "dqn": "--total-timesteps 400 --learning-starts 100 --batch-size 32 --buffer-size 500 --train-frequency 4"
+    " --target-network-frequency 50",
+    # Atari: 2 envs, as DQN's, and a buffer of 100 rows per env, which wraps.
+    "dqn_atari_envpool": "--env-id Breakout-v5 --num-envs 2 --total-timesteps 400 --learning-starts 100 --batch-size 32"
+    " --buffer-size 200 --target-network-frequency 50",
+}.items()}  # fmt: skip
 
 
 def tiny(script, *argv, **flags):

@@ -29,12 +29,11 @@ def test_tiny_profile_writes_table_and_plot(bench, tmp_path):
     status = bench.main(["--profile", "tiny", "--scripts", "ppo_continuous_action", "--out", str(tmp_path)])
     assert status == 0
     records = [json.loads(r) for r in (tmp_path / "results.jsonl").read_text().splitlines()]
-    # plain + eager + compile, and the two cudagraphs modes on a CUDA machine
-    assert len(records) in (3, 5)
+    assert len(records) in (3, 5)  # plain + eager + compile, and the two cudagraphs modes on a CUDA machine
     assert all(r["sps"] > 0 and isinstance(r["curve"], list) for r in records)
     table = (tmp_path / "table.md").read_text()
-    for mode in ("| plain |", "| eager |", "| compile |", "| cudagraphs |", "| compile+cudagraphs |"):
-        assert mode in table, table
+    modes = ("| plain |", "| eager |", "| compile |", "| cudagraphs |", "| compile+cudagraphs |")
+    assert all(mode in table for mode in modes), table
     plain_row = next(line for line in table.splitlines() if "| plain |" in line)
     assert "| 1.00x | 1.00-1.00 |" in plain_row  # the plain run over itself, seed by seed
     png = tmp_path / "ppo_continuous_action.png"
@@ -45,8 +44,7 @@ def test_cudagraphs_modes_are_not_applicable_without_cuda(bench):
     runs, skipped = bench.plan(["ppo_continuous_action"], [1, 2], "tiny", cuda=False)
     assert {mode for _, _, mode, _, _ in runs} == {"plain", "eager", "compile"}
     assert sorted(mode for *_, mode in skipped) == ["compile+cudagraphs", "cudagraphs"]
-    records = [record("ppo_continuous_action", "plain", 1, 9.0)]
-    info = {**INFO, "profile": "tiny", "seeds": [1]}
+    records, info = [record("ppo_continuous_action", "plain", 1, 9.0)], {**INFO, "profile": "tiny", "seeds": [1]}
     rows = [line for line in bench.summarize(records, skipped, {}, info).splitlines() if "n/a (needs CUDA)" in line]
     assert [row.split(" | ")[2] for row in rows] == ["cudagraphs", "compile+cudagraphs"]
     runs, skipped = bench.plan(["ppo_continuous_action"], [1], "tiny", cuda=True)
@@ -58,8 +56,7 @@ def test_plan_pairs_plain_and_lean_runs_of_one_seed_back_to_back(bench):
     order = [(fam, mode, seed) for fam, _, mode, seed, _ in runs]
     assert order[:3] == [("dqn", "plain", 1), ("dqn", "eager", 1), ("dqn", "compile", 1)]
     assert [seed for *_, seed in order] == [1] * 6 + [2] * 6  # seeds are the outer loop
-    for _, _, _, seed, argv in runs:
-        assert argv[argv.index("--seed") + 1] == str(seed)
+    assert all(argv[argv.index("--seed") + 1] == str(seed) for _, _, _, seed, argv in runs)
     assert runs[0][4][:2] == ["--total-timesteps", str(bench.FAMILIES["dqn"]["budget"]["quick"])]
     runs, _ = bench.plan(["dqn"], [1], "quick", cuda=False, steps=777)
     assert all(argv[:2] == ["--total-timesteps", "777"] for *_, argv in runs)
@@ -76,8 +73,7 @@ def test_paired_ratio_is_taken_per_seed_then_the_median(bench, tmp_path):
     row = next(line for line in table.splitlines() if "| compile |" in line)
     cols = [c.strip() for c in row.strip("|").split("|")]
     assert cols[3:7] == ["300", "150-400", "1.50x", "1.00-3.00"], row
-    # a seed without its plain run has no ratio
-    assert bench.paired_ratios(records[3:], records[:1]) == [1.5]
+    assert bench.paired_ratios(records[3:], records[:1]) == [1.5]  # a seed without its plain run has no ratio
 
 
 def test_curve_comes_from_the_run_dir_or_an_old_summary_field(bench, tmp_path):
@@ -87,8 +83,7 @@ def test_curve_comes_from_the_run_dir_or_an_old_summary_field(bench, tmp_path):
     # the row before the first finished episode has no return and is left out
     assert bench.read_curve({"run_dir": "runs/CartPole-v1__dqn__1__1"}, tmp_path) == [[200.0, 1.0, 9.5], [300.0, 1.5, 12.0]]
     assert bench.read_curve({"curve": [[1, 0.1, 2.0]]}, tmp_path) == [[1, 0.1, 2.0]]
-    assert bench.read_curve({"run_dir": "runs/missing"}, tmp_path) == []
-    assert bench.read_curve({}, tmp_path) == []
+    assert bench.read_curve({"run_dir": "runs/missing"}, tmp_path) == [] and bench.read_curve({}, tmp_path) == []
 
 
 def test_run_one_reads_the_summary_and_the_curve_relative_to_the_runs_cwd(bench, tmp_path):
@@ -130,8 +125,7 @@ def test_env_ceiling_steps_the_env():
 
 
 def test_arithmetic_ceiling_replays_recorded_matmuls(bench, tmp_path):
-    ceilings = load_ceilings()
-    cfg = bench.config("dqn")
+    ceilings, cfg = load_ceilings(), bench.config("dqn")
     arith = cfg["arith"]
     ceiling = ceilings.arithmetic_ceiling(bench.SCRIPTS / "dqn.py", arith["args"], arith["steps"], tmp_path, seconds=0.3)
     assert ceiling["sps"] > 0 and math.isfinite(ceiling["gflops"])
@@ -182,8 +176,8 @@ def test_each_cell_compiles_into_its_own_cache_and_only_its_first_seed_is_cold(b
 
 def test_scaling_reports_each_setting_over_the_first_per_seed(tmp_path, monkeypatch):
     scaling = load_script(ROOT / "benchmark" / "scaling.py")
-    for family, shared, settings in scaling.CASES.values():
-        assert (scaling.bench.SCRIPTS / f"{family}_torchcompile.py").exists() and len(settings) >= 2
+    cases = scaling.CASES.values()
+    assert all((scaling.bench.SCRIPTS / f"{f}_torchcompile.py").exists() and len(settings) >= 2 for f, _, settings in cases)
     speeds = {("1", 1): 100.0, ("8", 1): 300.0, ("1", 2): 200.0, ("8", 2): 500.0}
     run = lambda script, launcher, argv, log, timeout: {"sps": speeds[(argv[argv.index("--num-seeds") + 1], int(argv[-1]))]}
     monkeypatch.setattr(scaling, "run", run)

@@ -61,8 +61,7 @@ def test_buffer_never_spans_an_autoreset(script):
     data = stored(rb)
     assert rb.size == steps * num_envs
     obs, actions, next_obs = data["obs"], data["actions"], data["next_obs"]
-    assert np.abs(pendulum_step(obs, actions) - next_obs).max() < 1e-4
-    assert not data["dones"].any()
+    assert np.abs(pendulum_step(obs, actions) - next_obs).max() < 1e-4 and not data["dones"].any()
     for step, i, final_obs, reset_obs, terminated in ends:
         row = step * num_envs + i
         assert not terminated
@@ -78,8 +77,7 @@ def test_buffer_keeps_terminations_apart_and_wraps(script):
     """Terminations alone store done 1; a ring of 7 holds the last 7; only filled rows are sampled."""
     module = load_script(script)
     rb, ends = collect(module, "InvertedPendulum-v5", 2, 150, 300, stage_steps=7)
-    data = stored(rb)
-    terminal_rows = {step * 2 + i for step, i, _, _, terminated in ends if terminated}
+    data, terminal_rows = stored(rb), {step * 2 + i for step, i, _, _, terminated in ends if terminated}
     assert len(terminal_rows) >= 2 and set(np.flatnonzero(data["dones"])) == terminal_rows
     for step, i, final_obs, reset_obs, _ in ends:
         np.testing.assert_allclose(data["next_obs"][step * 2 + i], final_obs, rtol=0, atol=1e-6)
@@ -94,8 +92,7 @@ def test_buffer_keeps_terminations_apart_and_wraps(script):
         assert data["dones"][k % 7] == (1.0 if ended else 0.0), divmod(k, 2)
         if ended:
             np.testing.assert_allclose(data["next_obs"][k % 7], ended[0], atol=1e-6)
-    small = make_buffer(module, 50, 11, 3, stage_rows=10)
-    rng = np.random.default_rng(0)
+    small, rng = make_buffer(module, 50, 11, 3, stage_rows=10), np.random.default_rng(0)
     rows = {k: rng.normal(size=(5, *shape)).astype(np.float32) for k, shape in zip(KEYS, [(11,), (3,), (), (11,), ()])}
     small.add(**rows)
     if hasattr(small, "storage"):

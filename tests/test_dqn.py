@@ -26,8 +26,7 @@ def test_lean_draws_use_the_scheduled_epsilon_from_step_zero(lean, monkeypatch, 
     # Learning starts near the end (a budget that ends before it is refused): the schedule is under test.
     run_in_process(lean, monkeypatch, tmp_path, total_timesteps=600, learning_starts=580, exploration_fraction=0.5, num_envs=2)
     seen, expected = sum(draws, []), [lean.linear_schedule(1.0, 0.05, 300, t) for t in range(0, 600, 2)]
-    assert seen[0] == 1.0
-    assert seen[: len(expected)] == pytest.approx(expected, abs=1e-12)
+    assert seen[0] == 1.0 and seen[: len(expected)] == pytest.approx(expected, abs=1e-12)
 
 
 def test_plain_loop_asks_the_schedule_at_every_step(plain, monkeypatch, tmp_path):
@@ -44,17 +43,10 @@ X_LIMIT, THETA_LIMIT = 2.4, 12 * 2 * np.pi / 360
 
 def test_stored_transitions_follow_the_episodes(either, monkeypatch, tmp_path):
     """Each stored transition is one real step: the final obs where an episode ended, done on terminations."""
-    module, records = either, []
-    add = module.ReplayBuffer.add
-
-    def recording_add(self, *args, **rows):
-        # The plain buffer takes the fields by position, the lean one by name, in one column per seed.
-        fields = (args[0], args[1], args[4]) if args else (rows["obs"][:, 0], rows["next_obs"][:, 0], rows["dones"][:, 0])
-        records.append([np.array(x, copy=True) for x in fields])
-        return add(self, *args, **rows)
-
-    monkeypatch.setattr(module.ReplayBuffer, "add", recording_add)
-    num_envs = 2
+    # The plain buffer takes the fields by position, the lean one by name, in one column per seed.
+    stored = lambda args, rows: (args[0], args[1], args[4]) if args else [rows[k][:, 0] for k in ("obs", "next_obs", "dones")]
+    copies = lambda out, self, *args, **rows: [np.array(x, copy=True) for x in stored(args, rows)]
+    module, records, num_envs = either, spy(monkeypatch, either.ReplayBuffer, "add", copies), 2
     # Random play (about 22 steps) falls and reaches the limit; the few updates at the end change no random action.
     run_in_process(module, monkeypatch, tmp_path, env_id=SHORT_ID, total_timesteps=600, num_envs=num_envs, learning_starts=580,
                    start_e=1.0, end_e=1.0)  # fmt: skip
@@ -72,11 +64,8 @@ def test_stored_transitions_follow_the_episodes(either, monkeypatch, tmp_path):
                 continue
             # An episode ended at t: the next transition starts from a reset state, the stored next obs is the true last one.
             assert np.all(np.abs(obs[t + 1, env]) <= 0.05), obs[t + 1, env]
-            if dones[t, env]:
-                terminations += 1
-            else:
-                assert length == SHORT_LIMIT, (env, t, length)
-                truncations += 1
+            assert dones[t, env] or length == SHORT_LIMIT, (env, t, length)
+            terminations, truncations = terminations + bool(dones[t, env]), truncations + (not dones[t, env])
             length = 0
     assert terminations > 0 and truncations > 0, (terminations, truncations)
 
@@ -91,15 +80,12 @@ def fields(n_obs, num_seeds=1):
 def test_lean_buffer_holds_what_the_plain_buffer_holds(plain, lean, num_envs):
     """Wrapped and staged in blocks, the lean storage holds the plain buffer's transitions in place."""
     buffer_size, n_obs, steps = 50, 3, 90
-    rng = np.random.default_rng(0)
-    plain_rb = plain.ReplayBuffer(buffer_size, n_obs)
+    rng, plain_rb = np.random.default_rng(0), plain.ReplayBuffer(buffer_size, n_obs)
     lean_rb = lean.ReplayBuffer(buffer_size, fields(n_obs), stage_rows=4 * num_envs, device="cpu")
     for step in range(steps):
         obs = rng.normal(size=(num_envs, n_obs)).astype(np.float32)
-        next_obs = rng.normal(size=(num_envs, n_obs)).astype(np.float32)
-        actions = rng.integers(0, 5, size=num_envs)
-        rewards = rng.normal(size=num_envs)
-        dones = rng.random(num_envs) < 0.2
+        next_obs, actions = rng.normal(size=(num_envs, n_obs)).astype(np.float32), rng.integers(0, 5, size=num_envs)
+        rewards, dones = rng.normal(size=num_envs), rng.random(num_envs) < 0.2
         plain_rb.add(obs, next_obs, actions, rewards, dones)
         # As main's rows() hands them over: env i of every seed (here one) in row i.
         rows = {"obs": obs, "next_obs": next_obs, "actions": actions, "rewards": rewards, "dones": dones}
@@ -117,8 +103,7 @@ def test_plain_buffer_samples_only_filled_rows(plain):
     rb = plain.ReplayBuffer(100, 2)
     rb.add(np.ones((3, 2), np.float32), np.ones((3, 2), np.float32), np.zeros(3), np.ones(3), np.zeros(3))
     obs, actions, next_obs, dones, rewards = rb.sample(256, "cpu")
-    assert obs.shape == (256, 2) and actions.shape == (256, 1)
-    assert torch.all(obs == 1) and torch.all(rewards == 1)
+    assert obs.shape == (256, 2) and actions.shape == (256, 1) and torch.all(obs == 1) and torch.all(rewards == 1)
 
 
 SEEDS = pytest.mark.parametrize("num_seeds", [1, 2], ids=["1seed", "2seeds"])
@@ -146,16 +131,14 @@ def test_lean_policy_is_greedy_and_draws_explore_below_epsilon(lean, host, num_s
     n_act = 3
     nets = [(ChangedQNetwork if changed else lean.QNetwork)(4, n_act) for _ in range(num_seeds)]
     params = leanrl_utils.seeds.stack(nets)
-    policy = loop_policy(lean, nets[0], params, num_seeds, host)
-    obs = torch.randn(num_seeds * 4096, 4)
+    policy, obs = loop_policy(lean, nets[0], params, num_seeds, host), torch.randn(num_seeds * 4096, 4)
     with torch.no_grad():
         for _ in range(2):
             torch.testing.assert_close(torch.from_numpy(policy(obs.numpy())), module_actions(nets, obs), rtol=0, atol=0)
             for p in params.values():
                 p.add_(torch.randn_like(p))  # as Adam steps: in place
     explore, random_actions = lean.draw_exploration([0.0, 1.0, 0.5], 4096, n_act, "cpu")
-    assert explore.shape == random_actions.shape == (3, 4096)
-    assert not explore[0].any() and explore[1].all()
+    assert explore.shape == random_actions.shape == (3, 4096) and not explore[0].any() and explore[1].all()
     assert 1900 < explore[2].sum() < 2200  # 4096 draws at 0.5: the standard deviation is 32
     counts = torch.bincount(random_actions[1], minlength=n_act).float() / 4096
     # 4096 draws: the standard error of each frequency is 0.007; 0.04 is over 5 of them.
@@ -190,8 +173,7 @@ def test_changed_network_acts_as_the_module_in_a_whole_run(lean, monkeypatch, tm
         policy = make_policy(q_network, params, num_seeds, host)
 
         def checked(obs):
-            actions = policy(obs)
-            blocks = torch.from_numpy(obs).view(num_seeds, -1, obs.shape[-1])
+            actions, blocks = policy(obs), torch.from_numpy(obs).view(num_seeds, -1, obs.shape[-1])
             with torch.no_grad():
                 seed_params = [{n: p[k] for n, p in params.items()} for k in range(num_seeds)]
                 seed_q = [functional_call(q_network, seed_params[k], blocks[k]) for k in range(num_seeds)]
@@ -224,8 +206,7 @@ def update_case(lean, num_seeds, batch_size=32, buffer_size=500):
     """Q-networks, targets, a filled storage [buffer_size, seeds, ...] and 5 batches of num_seeds blocks, at TINY sizes."""
     torch.manual_seed(0)
     args = lean.Args(batch_size=batch_size, buffer_size=buffer_size)
-    nets = [lean.QNetwork(4, 2) for _ in range(num_seeds)]
-    targets = [lean.QNetwork(4, 2) for _ in range(num_seeds)]
+    nets, targets = [lean.QNetwork(4, 2) for _ in range(num_seeds)], [lean.QNetwork(4, 2) for _ in range(num_seeds)]
     storage = lean.ReplayBuffer(buffer_size, fields(4, num_seeds), 10, "cpu").storage
     storage["obs"].normal_(), storage["next_obs"].normal_(), storage["actions"].random_(0, 2)
     storage["rewards"].fill_(1.0), storage["dones"].bernoulli_(0.1)
@@ -267,8 +248,8 @@ def test_compiled_update_matches_eager(lean, num_seeds):
             eager_targets.lerp_(eager_params, 1.0)
             compiled_targets.lerp_(compiled_params, 1.0)
         torch.testing.assert_close(compiled(idx), eager(idx), rtol=1e-5, atol=1e-5)
-        for compiled_net, eager_net in zip(compiled_nets, eager_nets):
-            torch.testing.assert_close(compiled_net.state_dict(), eager_net.state_dict(), rtol=1e-5, atol=1e-6)
+        state = lambda nets: [net.state_dict() for net in nets]
+        torch.testing.assert_close(state(compiled_nets), state(eager_nets), rtol=1e-5, atol=1e-6)
 
 
 def test_update_compiled_again_with_another_gamma_compiles_anew(lean):

@@ -19,8 +19,7 @@ NUM_ENVS, STEPS, ROWS = 3, 400, 64
 def games():
     """STEPS steps of random Breakout (cut at 70) as the scripts make them: (obs, actions, rewards, term, trunc, next)."""
     options = dict(env_type="gymnasium", episodic_life=True, reward_clip=True, seed=3, max_episode_steps=70)
-    envs = envpool.make("Breakout-v5", num_envs=NUM_ENVS, **options)
-    rng = np.random.default_rng(0)
+    envs, rng = envpool.make("Breakout-v5", num_envs=NUM_ENVS, **options), np.random.default_rng(0)
     obs, _ = envs.reset()
     steps = []
     for _ in range(STEPS):
@@ -80,8 +79,7 @@ def test_frame_buffer_rebuilds_every_stack(plain, lean, games, which, steps_take
     assert rb.size == size
     low = 3 if steps_taken > ROWS else 0
     first_step = steps_taken - size + low
-    expected = naive_transitions(steps[: steps_taken - 1], resets, first_step)
-    checked = 0
+    expected, checked = naive_transitions(steps[: steps_taken - 1], resets, first_step), 0
     for t in range(first_step, steps_taken - 1):
         row, envs = t % ROWS, np.arange(NUM_ENVS)
         assert (rb.skip[row] == resets[t]).all()
@@ -129,8 +127,7 @@ def test_sampling_draws_only_held_game_transitions(plain, lean, games, which):
 
 def update_case(lean, num_seeds, num_envs=2, rows=40):
     """A filled lean storage of random frames (some rows begin games) with seeds' networks."""
-    g = torch.Generator().manual_seed(0)
-    cols = num_seeds * num_envs
+    g, cols = torch.Generator().manual_seed(0), num_seeds * num_envs
     storage = {
         "frames": torch.randint(0, 256, (rows, cols, 84, 84), generator=g, dtype=torch.uint8),
         "first": torch.rand(rows, cols, generator=g) < 0.2,
@@ -139,8 +136,7 @@ def update_case(lean, num_seeds, num_envs=2, rows=40):
         "dones": (torch.rand(rows, cols, generator=g) < 0.1).float(),
     }
     torch.manual_seed(1)
-    nets = [lean.QNetwork(4) for _ in range(num_seeds)]
-    targets = [lean.QNetwork(4) for _ in range(num_seeds)]
+    nets, targets = [lean.QNetwork(4) for _ in range(num_seeds)], [lean.QNetwork(4) for _ in range(num_seeds)]
     batches = []
     for _ in range(3):
         r = torch.randint(0, rows - 1, (num_seeds * 8,), generator=g)

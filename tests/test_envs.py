@@ -52,10 +52,8 @@ def test_unknown_id_names_the_supported_ones():
 
 @pytest.mark.parametrize("env_id", ENV_IDS)
 def test_transitions_match_gymnasium(env_id):
-    n = 10_000
-    g = torch.Generator().manual_seed(0)
-    env = leanrl_envs.make(env_id, n)
-    physics = sample_states(env_id, n, g)
+    n, g = 10_000, torch.Generator().manual_seed(0)
+    env, physics = leanrl_envs.make(env_id, n), sample_states(env_id, n, g)
     action = torch.randint(env.num_actions, (n,), generator=g)
     limit = env.max_episode_steps  # half the steps start anywhere in an episode, half within 3 of its end
     anywhere, late = torch.randint(limit, (n,), generator=g), torch.randint(limit - 3, limit, (n,), generator=g)
@@ -71,11 +69,9 @@ def test_transitions_match_gymnasium(env_id):
     assert torch.equal(out.terminated, torch.from_numpy(terminated))
     assert torch.equal(out.truncated, torch.from_numpy(truncated))
     # The samples reach every branch many times: termination and not, truncation and not.
-    for flag in (out.terminated, out.truncated):
-        assert 300 < flag.sum() < n - 300, flag.sum()
+    assert all(300 < flag.sum() < n - 300 for flag in (out.terminated, out.truncated)), out
     done = out.terminated | out.truncated
-    assert torch.equal(out.obs[~done], out.final_obs[~done])
-    assert torch.equal(out.episode_length, elapsed + 1)
+    assert torch.equal(out.obs[~done], out.final_obs[~done]) and torch.equal(out.episode_length, elapsed + 1)
 
 
 @pytest.mark.parametrize("env_id", ENV_IDS)
@@ -84,8 +80,7 @@ def test_flags_match_right_at_the_thresholds(env_id):
     env, reference = leanrl_envs.make(env_id, 1), gym.make(env_id)
     physics = sample_states(env_id, 1000, torch.Generator().manual_seed(3))
     action = torch.zeros(1000, dtype=torch.int64)
-    ends = env.dynamics(physics, action)[2]
-    edges = []
+    ends, edges = env.dynamics(physics, action)[2], []
     for inside, outside in list(zip(physics[~ends], physics[ends]))[:15]:
         lo, hi = 0.0, 1.0
         while lo < (lo + hi) / 2 < hi:
@@ -105,12 +100,10 @@ def test_reset_draws(env_id):
     low, high = (torch.tensor(b, dtype=torch.float64) for b in RESET_BOXES[env_id])
     assert state.physics.dtype == torch.float64 and obs.dtype == torch.float32
     assert ((state.physics >= low) & ((state.physics < high) | (low == high))).all()
-    width = (high - low)[high > low]
-    spread = state.physics[:, high > low]
+    width, spread = (high - low)[high > low], state.physics[:, high > low]
     assert (spread.amax(0) - spread.amin(0) > 0.99 * width).all()  # fills its range
     assert ((spread.mean(0) - (low + high)[high > low] / 2).abs() < 0.02 * width).all()  # uniform: 0.009 sd
-    assert torch.equal(obs, env.observe(state.physics))
-    assert not state.elapsed.any() and not state.episode_return.any()
+    assert torch.equal(obs, env.observe(state.physics)) and not state.elapsed.any() and not state.episode_return.any()
     assert torch.unique(state.physics, dim=0).shape[0] == n  # every env its own draw
     assert torch.equal(env.reset(seed=7)[0].physics, state.physics)
     other = env.reset(seed=8)[0].physics[:, high > low]
@@ -165,8 +158,7 @@ def test_compiled_step_matches_eager(env_id):
     env = leanrl_envs.make(env_id, n)
     state, _ = env.reset(seed=2)
     state = state._replace(elapsed=torch.arange(n) + env.max_episode_steps - n)
-    compiled = torch.compile(env.step, fullgraph=True)
-    g = torch.Generator().manual_seed(2)
+    compiled, g = torch.compile(env.step, fullgraph=True), torch.Generator().manual_seed(2)
     eager_state = compiled_state = state
     for _ in range(n + 2):
         action = torch.randint(env.num_actions, (n,), generator=g)
@@ -192,8 +184,7 @@ def test_cuda_matches_cpu(env_id):
     assert torch.equal(cuda_state.physics.cpu(), cpu_state.physics)  # the same draws
     torch.testing.assert_close(cuda_obs.cpu(), cpu_obs, **OBS_TOL)
     physics = sample_states(env_id, n, torch.Generator().manual_seed(5))
-    elapsed = torch.full((n,), cpu.max_episode_steps - 1)
-    action = torch.randint(cpu.num_actions, (n,))
+    elapsed, action = torch.full((n,), cpu.max_episode_steps - 1), torch.randint(cpu.num_actions, (n,))
     cpu_state, cpu_out = cpu.step(cpu.state_from(physics, elapsed), action)
     cuda_state, cuda_out = cuda.step(cuda.state_from(physics, elapsed), action.cuda())
     torch.testing.assert_close(cuda_out.final_obs.cpu(), cpu_out.final_obs, **OBS_TOL)

@@ -203,8 +203,7 @@ def test_a_file_that_is_not_this_pairs_checkpoint_is_one_line(script, tmp_path, 
 def test_only_finite_weights_are_saved(script, tmp_path, monkeypatch, capsys):
     """The end saves finite weights only (else the last finite ones, else none); a non-finite loss exits 1."""
     monkeypatch.chdir(tmp_path)
-    args = tiny_args(script, "--save-model")
-    net = torch.nn.Linear(2, 2)
+    args, net = tiny_args(script, "--save-model"), torch.nn.Linear(2, 2)
     for last_good, stop_reason, expected in [
         (None, None, "saved"),
         ("finite", None, "saved"),
@@ -228,8 +227,7 @@ def test_only_finite_weights_are_saved(script, tmp_path, monkeypatch, capsys):
             assert summary["checkpoint"] is None and "no checkpoint" in err
             continue
         weight = torch.load(summary["checkpoint"], weights_only=True)["model"]["net"]["weight"]
-        assert torch.isfinite(weight).all()
-        assert torch.all(weight == (7.0 if expected == "last" else 1.0))
+        assert torch.isfinite(weight).all() and torch.all(weight == (7.0 if expected == "last" else 1.0))
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])

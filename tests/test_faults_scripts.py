@@ -169,8 +169,7 @@ def test_bad_input_under_torchrun_is_one_line_from_rank_0(case, workdir):
     proc = torchrun(script, *TINY[family(script)], *argv, cwd=workdir, before=slow_rank_0)
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and errors[0].startswith("error:"), proc.stderr
-    for word in words:
-        assert word in errors[0], errors[0]
+    assert all(word in errors[0] for word in words), errors[0]
     # torchrun reports each rank's exit status; its own report of a failed child cannot be helped
     assert proc.stderr.count("exitcode  : 2") >= 1 and "[rank0]: Traceback" not in proc.stderr, proc.stderr
     assert not (workdir / "runs").exists()

@@ -320,8 +320,8 @@ def test_ppo_atari_explained_variance_is_per_seed(atari):
     valid = (torch.rand(2, 256, generator=g) > 0.2).float()
     per_seed = atari.explained_variance(values, returns, valid)
     assert per_seed.shape == (2,)
-    for k in range(2):
-        torch.testing.assert_close(per_seed[k], atari.explained_variance(values[k], returns[k], valid[k]), rtol=1e-6, atol=0)
+    single = torch.stack([atari.explained_variance(values[k], returns[k], valid[k]) for k in range(2)])
+    torch.testing.assert_close(per_seed, single, rtol=1e-6, atol=0)
     assert not torch.isclose(per_seed[0], per_seed[1])
 
 
@@ -365,8 +365,7 @@ OWN_SUB_ENVS = {"pqn": ("pqn", "SameStepEnvs", (2, 128, 4), 64),
 def test_each_seed_learns_from_its_own_sub_envs(script, request, tmp_path, monkeypatch):
     """With 2 seeds of 2 envs, row k of the update's first batch holds sub-envs 2k and 2k + 1."""
     fixture, env_class, shape, num_steps = OWN_SUB_ENVS[script]
-    module = request.getfixturevalue(fixture)
-    env_class = getattr(leanrl_utils.vector, env_class)
+    module, env_class = request.getfixturevalue(fixture), getattr(leanrl_utils.vector, env_class)
     observations, actions, batches = record_rollouts(module, env_class, "make_update", monkeypatch)
     assert main_in_process(module, "--num-seeds", 2, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
     assert batches[0][0].shape == shape and batches[0][1].shape == shape[:2]
@@ -434,8 +433,7 @@ def test_two_seeds_run_with_a_folder_each(script, mode, workdir):
     assert torch.load(checkpoints[1], weights_only=True)["args"]["seed"] == 6
     assert set(models[1]) == {network, *(["obs_rms"] if script == "ppo" else [])}
     assert rms is None or (rms["mean"].shape == (2, 4) and not torch.equal(models[0]["obs_rms"]["mean"], rms["mean"]))
-    # Each seed's own weights, not a view of both seeds' storage.
-    assert models[1][network][first].shape == shape
+    assert models[1][network][first].shape == shape  # Each seed's own weights, not a view of both seeds' storage.
     assert not torch.equal(models[0][network][first], models[1][network][first])
     argv = ["--env-id", summary["env_id"], "--total-timesteps", 0, "--eval-episodes", 1, "--seed", 6]
     loaded, _ = run_script(path, "--load-model", checkpoints[1], *argv, cwd=workdir)

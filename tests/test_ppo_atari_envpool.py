@@ -54,8 +54,7 @@ def assert_same_parameters(agent_a, agent_b, **tolerance):
 def test_compiled_update_matches_eager(lean):
     """The compiled step (fullgraph, unfused Adam, channels-last frames) agrees with eager (fused, NCHW), lr annealed."""
     torch.manual_seed(0)
-    args = lean.Args()
-    batch = make_batch(64)
+    args, batch = lean.Args(), make_batch(64)
     eager_agent, eager_lr, eager = agent_and_update(lean, args)
     compiled_agent, compiled_lr, compiled = agent_and_update(lean, args, eager_agent, compiled=True)
     compiled = torch.compile(compiled, fullgraph=True, options={"guard_filter_fn": leanrl_utils.speed.value_guards})
@@ -75,14 +74,12 @@ def test_lean_update_is_the_plain_update(plain, lean):
     agent, lr, update = agent_and_update(lean, args)
     reference = plain.Agent(4)
     reference.load_state_dict(agent.state_dict())
-    optimizer = torch.optim.Adam(reference.parameters(), lr=args.learning_rate, eps=1e-5)
-    batch = make_batch(64, seed=2)
+    optimizer, batch = torch.optim.Adam(reference.parameters(), lr=args.learning_rate, eps=1e-5), make_batch(64, seed=2)
     b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values, b_valid = batch
     for k, mb_inds in enumerate(torch.randperm(64).split(16)):
         lr.fill_(args.learning_rate * (1 - k / 4))
         optimizer.param_groups[0]["lr"] = args.learning_rate * (1 - k / 4)
-        metrics = update(*batch, mb_inds)
-        mb_valid = b_valid[mb_inds]
+        metrics, mb_valid = update(*batch, mb_inds), b_valid[mb_inds]
         n_valid = mb_valid.sum().clamp(min=1)
         _, newlogprob, entropy, newvalue = reference.get_action_and_value(b_obs[mb_inds], b_actions[mb_inds])
         logratio = newlogprob - b_logprobs[mb_inds]
@@ -96,12 +93,10 @@ def test_lean_update_is_the_plain_update(plain, lean):
         adv_std = (((mb_advantages - adv_mean) ** 2 * mb_valid).sum() / (n_valid - 1).clamp(min=1)).sqrt()
         mb_advantages = (mb_advantages - adv_mean) / (adv_std + 1e-8)
         clipped = -mb_advantages * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)
-        pg_loss = (torch.max(-mb_advantages * ratio, clipped) * mb_valid).sum() / n_valid
-        newvalue = newvalue.view(-1)
+        pg_loss, newvalue = (torch.max(-mb_advantages * ratio, clipped) * mb_valid).sum() / n_valid, newvalue.view(-1)
         v_clipped = b_values[mb_inds] + (newvalue - b_values[mb_inds]).clamp(-args.clip_coef, args.clip_coef)
         v_loss_max = torch.max((newvalue - b_returns[mb_inds]) ** 2, (v_clipped - b_returns[mb_inds]) ** 2)
-        v_loss = 0.5 * (v_loss_max * mb_valid).sum() / n_valid
-        entropy_loss = (entropy * mb_valid).sum() / n_valid
+        v_loss, entropy_loss = 0.5 * (v_loss_max * mb_valid).sum() / n_valid, (entropy * mb_valid).sum() / n_valid
         loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
         optimizer.zero_grad()
         loss.backward()
@@ -116,8 +111,7 @@ def test_lean_update_is_the_plain_update(plain, lean):
 def test_reset_steps_are_left_out_of_the_update(lean):
     """A minibatch with reset steps (valid 0) steps as it does without them, whatever they hold."""
     torch.manual_seed(0)
-    args = lean.Args()
-    init = lean.Agent(4)
+    args, init = lean.Args(), lean.Agent(4)
     batch = make_batch(32, seed=1)
     valid = batch[-1].bool()
     assert 0 < valid.sum() < 32
@@ -153,12 +147,10 @@ def test_explained_variance_is_the_plain_scripts(lean):
 def cleanrl_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda):
     """CleanRL's loop verbatim: `dones[t]` is the done seen before acting at step t."""
     num_steps = rewards.shape[0]
-    advantages = torch.zeros_like(rewards)
-    lastgaelam = 0
+    advantages, lastgaelam = torch.zeros_like(rewards), 0
     for t in reversed(range(num_steps)):
         if t == num_steps - 1:
-            nextnonterminal = 1.0 - next_done
-            nextvalues = next_value
+            nextnonterminal, nextvalues = 1.0 - next_done, next_value
         else:
             nextnonterminal = 1.0 - dones[t + 1]
             nextvalues = values[t + 1]
@@ -185,8 +177,7 @@ def test_gae_matches_cleanrl_loop_with_dones_mid_rollout(lean):
 def test_policy_samples_the_categorical_it_reports(lean):
     """The Gumbel-max sample follows softmax(logits), and its log-probability is Categorical's."""
     torch.manual_seed(0)
-    agent = lean.Agent(4)
-    logits = torch.tensor([1.0, 0.0, -1.0, 2.0])
+    agent, logits = lean.Agent(4), torch.tensor([1.0, 0.0, -1.0, 2.0])
     with torch.no_grad():
         agent.actor.weight.zero_()
         agent.actor.bias.copy_(logits)
@@ -245,10 +236,8 @@ def test_a_changed_network_trains_each_seed_on_its_own(lean, monkeypatch, tmp_pa
     """A changed Agent's update takes each seed's own step; a --num-seeds run saves each agent."""
     monkeypatch.setattr(lean, "Agent", other_agent(lean))
     torch.manual_seed(0)
-    args = lean.Args(max_grad_norm=0.05)
-    agents = [lean.Agent(4) for _ in range(num_seeds)]
-    singles = [agent_and_update(lean, args, agent) for agent in agents]
-    stacked_agents = copy.deepcopy(agents)
+    args, agents = lean.Args(max_grad_norm=0.05), [lean.Agent(4) for _ in range(num_seeds)]
+    singles, stacked_agents = [agent_and_update(lean, args, agent) for agent in agents], copy.deepcopy(agents)
     params = leanrl_utils.seeds.stack(stacked_agents)
     optimizer = leanrl_utils.optimizers.Adam(params.items(), torch.tensor(args.learning_rate), eps=1e-5, fused=True)
     stacked = lean.make_update(stacked_agents[0], optimizer, args, 1, num_seeds)
@@ -304,8 +293,7 @@ def test_returns_count_whole_games_over_lives(script):
         [(1, True, False, 0, 1), (0, False, False, 5, 0)],  # env 0: last life lost, game over
         [(0, False, False, 3, 0), (0, False, False, 5, 0)],  # env 0 reset step (new game)
     ]
-    envs = leanrl_utils.vector.RecordEpisodeStatistics(ScriptedAtari(steps))
-    charted = []
+    envs, charted = leanrl_utils.vector.RecordEpisodeStatistics(ScriptedAtari(steps)), []
     run = types.SimpleNamespace(returns=[], points=charted)
     run.record = functools.partial(leanrl_utils.Run.record, run)
     envs.reset()

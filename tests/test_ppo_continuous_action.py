@@ -4,7 +4,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, main_in_process, pair, run_script
+from conftest import TINY, pair, run_script, trained_checkpoints
 from test_ppo_family import changed_agent, stacked_policy
 from torch.func import functional_call
 
@@ -45,8 +45,7 @@ gym.register("LeanRLScripted-v0", entry_point=ScriptedEnv)
 def test_normalization_is_the_plain_wrappers(plain, lean, num_envs):
     """The lean `Normalization` gives the plain wrappers' obs, rewards, actions and statistics."""
     args = lean.Args(env_id="LeanRLScripted-v0", num_envs=num_envs)
-    plain_envs = plain.make_envs(args, "plain", num_envs)
-    lean_envs = lean.make_envs(args, "lean", num_envs)
+    plain_envs, lean_envs = plain.make_envs(args, "plain", num_envs), lean.make_envs(args, "lean", num_envs)
     norm = lean.Normalization(num_envs, 5, lean_envs.single_action_space, args.gamma, torch.device("cpu"))
     expected, _ = plain_envs.reset(seed=3)
     raw, _ = lean_envs.reset(seed=3)
@@ -84,8 +83,7 @@ def test_normalization_is_the_plain_wrappers(plain, lean, num_envs):
 
 def test_normalization_loads_fewer_envs_and_freezes(lean):
     """A checkpoint of 2 envs gives its last env's statistics to envs 3 and 4; evaluation freezes them."""
-    space = ScriptedEnv.action_space
-    g = torch.Generator().manual_seed(0)
+    space, g = ScriptedEnv.action_space, torch.Generator().manual_seed(0)
     source = lean.Normalization(2, 5, space, 0.99, torch.device("cpu"))
     for _ in range(5):
         source.obs(torch.randn(2, 5, generator=g, dtype=torch.float64) * 3 + 1)
@@ -93,8 +91,7 @@ def test_normalization_loads_fewer_envs_and_freezes(lean):
     target = lean.Normalization(4, 5, space, 0.99, torch.device("cpu"))
     target.load_state_dict(state)
     target.training = False
-    for key in ("mean", "var", "count"):
-        torch.testing.assert_close(target.state_dict()[key], state[key][[0, 1, 1, 1]], rtol=0, atol=0)
+    torch.testing.assert_close(target.state_dict(), {k: v[[0, 1, 1, 1]] for k, v in state.items()}, rtol=0, atol=0)
     x = torch.randn(4, 5, generator=g, dtype=torch.float64)
     expected = ((x - state["mean"][[0, 1, 1, 1]]) / (state["var"][[0, 1, 1, 1]] + 1e-8).sqrt()).clamp(-10, 10).float()
     torch.testing.assert_close(target.obs(x), expected, rtol=0, atol=0)
@@ -108,8 +105,7 @@ def test_policy_acts_from_the_agent_and_sees_every_update(lean, host):
     agent = lean.Agent(5, 3)
     agent.actor_logstd.data.fill_(-0.5)
     params = dict(leanrl_utils.seeds.stack([agent]).items())  # one seed: a stack of one, as in main
-    policy = lean.make_policy(agent, params, 1, host, seed=1)
-    obs = torch.randn(4096, 5)
+    policy, obs = lean.make_policy(agent, params, 1, host, seed=1), torch.randn(4096, 5)
     for _ in range(2):
         action, logprob, value = policy(obs)
         with torch.no_grad():
@@ -156,7 +152,7 @@ def test_changed_network_is_followed_by_every_derived_form(lean, host, num_seeds
                 p.mul_(1.1).add_(0.01)
 
 
-def test_changed_network_acts_as_the_module_in_a_whole_run(lean, monkeypatch, tmp_path):
+def test_changed_network_acts_as_the_module_in_a_whole_run(lean, monkeypatch, tmp_path, capsys):
     """A 2-seed run with a changed Agent acts as each seed's module at its weights, and saves it."""
     make_policy, weights = lean.make_policy, []
 
@@ -181,14 +177,11 @@ def test_changed_network_acts_as_the_module_in_a_whole_run(lean, monkeypatch, tm
 
     monkeypatch.setattr(lean, "Agent", changed_agent(lean))
     monkeypatch.setattr(lean, "make_policy", checked_make_policy)
-    assert main_in_process(lean, "--num-seeds", 2, "--save-model", tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
+    _, saved = trained_checkpoints(lean, "--num-seeds", 2, tmp_path=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
     # TINY: 4 iterations of 64 steps and a bootstrap call, the weights new in each.
     assert len(weights) == 4 * 65 and len(set(weights)) == 4, (len(weights), len(set(weights)))
-    checkpoints = sorted(tmp_path.glob("runs/*/*.pt"))
-    assert len(checkpoints) == 2
-    for path in checkpoints:
-        agent = torch.load(path, weights_only=True)["model"]["agent"]
-        assert agent["actor_mean.6.weight"].shape == (1, 16) and agent["critic.2.weight"].shape == (48, 32)
+    assert len(saved) == 2 and all(m["agent"]["actor_mean.6.weight"].shape == (1, 16) for m in saved)
+    assert all(m["agent"]["critic.2.weight"].shape == (48, 32) for m in saved)
 
 
 def test_checkpoints_carry_observation_statistics_across_the_pair(workdir):

@@ -151,14 +151,12 @@ def plain_step(agent, optimizer, args, minibatch):
     ratio = logratio.exp()
     with torch.no_grad():
         old_approx_kl = (-logratio).mean()
-        approx_kl = ((ratio - 1) - logratio).mean()
-        clipfrac = ((ratio - 1.0).abs() > args.clip_coef).float().mean()
+        approx_kl, clipfrac = ((ratio - 1) - logratio).mean(), ((ratio - 1.0).abs() > args.clip_coef).float().mean()
     advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
     pg_loss = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)).mean()
     newvalue = newvalue.view(-1)
     v_clipped = values + torch.clamp(newvalue - values, -args.clip_coef, args.clip_coef)
-    v_loss = 0.5 * torch.max((newvalue - returns) ** 2, (v_clipped - returns) ** 2).mean()
-    entropy_loss = entropy.mean()
+    v_loss, entropy_loss = 0.5 * torch.max((newvalue - returns) ** 2, (v_clipped - returns) ** 2).mean(), entropy.mean()
     loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
     optimizer.zero_grad()
     loss.backward()
@@ -177,8 +175,7 @@ def test_lean_update_is_the_plain_update(update_fam):
     lean_agent.load_state_dict(plain_agent.state_dict())
     initial = copy.deepcopy(plain_agent)
     update, lr = lean_update(fam.lean, lean_agent, fam.args, compiled=False)
-    optimizer = torch.optim.Adam(plain_agent.parameters(), lr=fam.args.learning_rate, eps=1e-5)
-    clipped = 0.0
+    optimizer, clipped = torch.optim.Adam(plain_agent.parameters(), lr=fam.args.learning_rate, eps=1e-5), 0.0
     for idx in minibatches(g, 4, (lr,), fam.args.learning_rate):
         optimizer.param_groups[0]["lr"] = float(lr)
         expected = plain_step(plain_agent, optimizer, fam.args, [t[idx] for t in batch])
@@ -250,8 +247,7 @@ def reference_gae(rewards, values, dones, next_value, gamma, gae_lambda):
     for env in range(num_envs):
         lastgaelam = 0.0
         for t in reversed(range(num_steps)):
-            nextvalue = next_value[env] if t == num_steps - 1 else values[t + 1, env]
-            nonterminal = 1.0 - dones[t, env]
+            nextvalue, nonterminal = next_value[env] if t == num_steps - 1 else values[t + 1, env], 1.0 - dones[t, env]
             delta = rewards[t, env] + gamma * nextvalue * nonterminal - values[t, env]
             lastgaelam = delta + gamma * gae_lambda * nonterminal * lastgaelam
             advantages[t, env] = lastgaelam
@@ -261,8 +257,7 @@ def reference_gae(rewards, values, dones, next_value, gamma, gae_lambda):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gae_matches_reference_loop(family):
     """dones[t]: step t ended an episode (Atari's are shifted by a step: test_ppo_atari_envpool.py)."""
-    lean = load_script(pair(family)[1])
-    g = torch.Generator().manual_seed(0)
+    lean, g = load_script(pair(family)[1]), torch.Generator().manual_seed(0)
     rewards, values = torch.randn(50, 3, generator=g), torch.randn(50, 3, generator=g)
     dones = (torch.rand(50, 3, generator=g) < 0.1).float()
     dones[-1, 0] = 1.0

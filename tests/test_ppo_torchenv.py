@@ -37,8 +37,7 @@ def rollout_case(lean, num_seeds, steps, env_id="CartPole-v1", num_envs=64):
         agent.actor[4].weight.data.normal_(0, 1.0)
     resets = [env.reset(seed=5 + k) for k in range(num_seeds)]
     state = leanrl_envs.State(*(torch.stack(field) for field in zip(*(s for s, _ in resets))))
-    obs = torch.stack([o for _, o in resets])
-    params = dict(leanrl_utils.seeds.stack(agents).items())
+    obs, params = torch.stack([o for _, o in resets]), dict(leanrl_utils.seeds.stack(agents).items())
     return agents, env, lean.make_rollout(agents[0], params, env, num_seeds, steps), obs, state
 
 
@@ -135,5 +134,4 @@ def test_a_seed_of_a_stack_is_its_single_run(workdir):
     assert [v for _, _, v in got] == pytest.approx([v for _, _, v in expected], rel=1e-4, abs=1e-5)
     assert two["episodic_returns"][1] == pytest.approx(one["episodic_return"])
     weights = torch.load(next(seed_dir.glob("*.pt")), weights_only=True)["model"]
-    for name, tensor in final_weights(single, one)["agent"].items():
-        torch.testing.assert_close(weights["agent"][name], tensor, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(weights["agent"], final_weights(single, one)["agent"], rtol=1e-4, atol=1e-5)

@@ -48,8 +48,7 @@ def rollout_case(num_steps=16, num_envs=3, seed=0):
     """A rollout: env 0 ends at steps 5 and 11, env 1 at the last step, env 2 never (it bootstraps from next_value)."""
     g = torch.Generator().manual_seed(seed)
     rewards = torch.rand(num_steps, num_envs, generator=g) + 0.5
-    values = torch.randn(num_steps, num_envs, generator=g) * 3
-    next_value = torch.randn(num_envs, generator=g) * 3
+    values, next_value = torch.randn(num_steps, num_envs, generator=g) * 3, torch.randn(num_envs, generator=g) * 3
     dones = torch.zeros(num_steps, num_envs)
     dones[5, 0] = dones[11, 0] = dones[-1, 1] = 1
     return rewards, values, next_value, dones
@@ -57,8 +56,7 @@ def rollout_case(num_steps=16, num_envs=3, seed=0):
 
 def test_returns_match_the_reference_loop(lean):
     """Tolerance: float32 against float64, over 16 steps of sums of terms below 10: 1e-5."""
-    case = rollout_case()
-    returns_fn = lean.make_returns(0.99, 0.65)
+    case, returns_fn = rollout_case(), lean.make_returns(0.99, 0.65)
     expected = reference_returns(*[x.double().numpy() for x in case], 0.99, 0.65)
     torch.testing.assert_close(returns_fn(*case).double(), torch.from_numpy(expected), rtol=0, atol=1e-5)
 
@@ -70,8 +68,7 @@ def test_returns_at_lambda_zero_and_one(lean):
     one_step = lean.make_returns(0.9, 0.0)(*case)
     expected = rewards[:, env] + 0.9 * torch.cat([values[1:, env], next_value[env : env + 1]])
     torch.testing.assert_close(one_step[:, env], expected)
-    monte_carlo = lean.make_returns(0.9, 1.0)(*case)
-    discounts = 0.9 ** torch.arange(16.0)
+    monte_carlo, discounts = lean.make_returns(0.9, 1.0)(*case), 0.9 ** torch.arange(16.0)
     torch.testing.assert_close(monte_carlo[0, env], (discounts * rewards[:, env]).sum() + 0.9**16 * next_value[env])
     # env 0: an episode's last step gets its reward only, and nothing of the next episode
     torch.testing.assert_close((monte_carlo[5, 0], monte_carlo[0, 0]), (rewards[5, 0], (discounts[:6] * rewards[:6, 0]).sum()))
@@ -87,16 +84,14 @@ def test_lean_rollouts_draw_with_the_scheduled_epsilon_at_every_step(path, monke
     args = tyro.cli(lean.Args, args=[*TINY[family(path)], "--exploration-fraction", "0.5"])
     steps, seen = args.total_timesteps // args.num_envs, sum(draws, [])
     expected = [lean.linear_schedule(1.0, args.end_e, args.total_timesteps / 2, args.num_envs * (k + 1)) for k in range(steps)]
-    assert seen == pytest.approx(expected, abs=1e-12)
-    assert seen[-1] == pytest.approx(args.end_e)
+    assert seen == pytest.approx(expected, abs=1e-12) and seen[-1] == pytest.approx(args.end_e)
 
 
 def test_lean_draws_explore_below_epsilon(lean):
     """Rows at epsilon 0 never explore, at 1 always, at 0.5 about half the time; random actions cover the actions."""
     torch.manual_seed(0)
     explore, random_actions = lean.draw_exploration([0.0, 1.0, 0.0, 1.0, 0.5], 1000, 2, "cpu")
-    assert explore.shape == random_actions.shape == (5, 1000)
-    assert not explore[[0, 2]].any() and explore[[1, 3]].all()
+    assert explore.shape == random_actions.shape == (5, 1000) and not explore[[0, 2]].any() and explore[[1, 3]].all()
     assert 400 < explore[4].sum() < 600  # 1000 draws at 0.5: the standard deviation is 16
     assert set(random_actions.unique().tolist()) == {0, 1}
 
@@ -167,8 +162,7 @@ def test_the_lean_script_trains_an_edited_network(lean, edit, monkeypatch, tmp_p
 def test_a_layer_numpy_cannot_follow_is_refused_in_one_line(lean, monkeypatch, tmp_path, capsys):
     """GELU is refused in one line by make_policy and by the script (exit 2)."""
     monkeypatch.setattr(lean, "QNetwork", network_like(lean, (16,), nn.GELU))
-    net = lean.QNetwork(4, 2)
-    words = ["network.2", "GELU"]
+    net, words = lean.QNetwork(4, 2), ["network.2", "GELU"]
     refused_call(capsys, lean.make_policy, net, dict(leanrl_utils.seeds.stack([net]).items()), 1, host=True, words=words)
     refused_in_process(lean, words=["GELU"], tmp_path=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
 
@@ -195,8 +189,7 @@ def test_time_limits_end_the_return_as_terminations_do(lean, monkeypatch, tmp_pa
     assert main_in_process(lean, "--env-id", SHORT_ID, tmp_path=tmp_path, monkeypatch=monkeypatch) == 0
     rewards, _, _, dones, returns = (torch.cat(x) for x in zip(*seen))
     terminations, truncations = (torch.as_tensor(np.stack(x)[: len(dones)]) for x in zip(*steps))
-    assert terminations.any() and truncations.any()
-    assert torch.equal(dones.bool(), terminations | truncations)
+    assert terminations.any() and truncations.any() and torch.equal(dones.bool(), terminations | truncations)
     torch.testing.assert_close(returns[dones.bool()], rewards[dones.bool()], rtol=0, atol=0)
 
 
@@ -222,14 +215,12 @@ def test_lean_update_is_the_plain_update(plain, lean):
     reference.load_state_dict(q_network.state_dict())
     lr = torch.tensor(2.5e-4)
     update = one_seed_update(lean, q_network, lr, max_grad_norm=1.0)
-    optimizer = torch.optim.RAdam(reference.parameters(), lr=2.5e-4)
-    clipped = 0
+    optimizer, clipped = torch.optim.RAdam(reference.parameters(), lr=2.5e-4), 0
     for k, mb_inds in enumerate(minibatches):
         lr.fill_(2.5e-4 * (1 - k / 8))
         optimizer.param_groups[0]["lr"] = 2.5e-4 * (1 - k / 8)
         metrics = update(b_obs, b_actions, b_returns, mb_inds)
-        # pqn.py's minibatch step
-        old_val = reference(b_obs[mb_inds]).gather(1, b_actions[mb_inds].unsqueeze(1)).squeeze(1)
+        old_val = reference(b_obs[mb_inds]).gather(1, b_actions[mb_inds].unsqueeze(1)).squeeze(1)  # pqn.py's minibatch step
         loss = F.mse_loss(b_returns[mb_inds], old_val)
         optimizer.zero_grad()
         loss.backward()
@@ -243,8 +234,7 @@ def test_lean_update_is_the_plain_update(plain, lean):
 def test_compiled_update_matches_eager(lean):
     """Compiled as the script does (fullgraph, capturable RAdam) against eager, the lr annealed in place (rtol 1e-5)."""
     q_eager, batch, minibatches = update_case(lean)
-    q_compiled = copy.deepcopy(q_eager)
-    initial = copy.deepcopy(q_eager.state_dict())
+    q_compiled, initial = copy.deepcopy(q_eager), copy.deepcopy(q_eager.state_dict())
     lr_eager, lr_compiled = torch.tensor(2.5e-4), torch.tensor(2.5e-4)
     eager = one_seed_update(lean, q_eager, lr_eager, 10.0)
     radam = leanrl_utils.optimizers.RAdam(leanrl_utils.seeds.stack([q_compiled]).items(), lr_compiled, capturable=True)

@@ -33,14 +33,11 @@ def test_returns_match_the_reference_loop(lean):
     g = torch.Generator().manual_seed(0)
     num_steps, num_envs = 16, 4
     rewards = torch.randint(0, 2, (num_steps, num_envs), generator=g).float()
-    values = torch.randn(num_steps, num_envs, generator=g) * 3
-    next_value = torch.randn(num_envs, generator=g)
+    values, next_value = torch.randn(num_steps, num_envs, generator=g) * 3, torch.randn(num_envs, generator=g)
     terminations, dones = torch.zeros(num_steps, num_envs), torch.zeros(num_steps, num_envs)
     terminations[4, 0] = dones[4, 0] = dones[9, 1] = terminations[-1, 2] = dones[-1, 2] = 1
-    case = (rewards, values, next_value, terminations, dones)
-    returns_fn = lean.make_returns(0.99, 0.65)
-    expected = reference_returns(*[x.double().numpy() for x in case], 0.99, 0.65)
-    returns = returns_fn(*case)
+    case, returns_fn = (rewards, values, next_value, terminations, dones), lean.make_returns(0.99, 0.65)
+    expected, returns = reference_returns(*[x.double().numpy() for x in case], 0.99, 0.65), returns_fn(*case)
     torch.testing.assert_close(returns.double(), torch.from_numpy(expected), rtol=0, atol=1e-5)
     assert returns[4, 0] == rewards[4, 0]
     torch.testing.assert_close(returns[9, 1], rewards[9, 1] + 0.99 * values[10, 1])
@@ -73,8 +70,7 @@ def test_lean_update_is_the_plain_update(plain, lean):
     for k, mb_inds in enumerate(torch.randperm(64).split(16)):
         lr.fill_(2.5e-4 * (1 - k / 4))
         optimizer.param_groups[0]["lr"] = 2.5e-4 * (1 - k / 4)
-        metrics = update(*batch, mb_inds)
-        mb_valid = b_valid[mb_inds]
+        metrics, mb_valid = update(*batch, mb_inds), b_valid[mb_inds]
         n_valid = mb_valid.sum().clamp(min=1)
         old_val = reference(b_obs[mb_inds]).gather(1, b_actions[mb_inds].unsqueeze(1)).squeeze(1)
         loss = ((b_returns[mb_inds] - old_val) ** 2 * mb_valid).sum() / n_valid
@@ -85,15 +81,13 @@ def test_lean_update_is_the_plain_update(plain, lean):
         expected = torch.stack([loss, (old_val * mb_valid).sum() / n_valid]).detach()
         torch.testing.assert_close(metrics, expected, rtol=1e-4, atol=1e-6)
     assert clipped > 0
-    for (name, a), (_, b) in zip(reference.named_parameters(), q_network.named_parameters()):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=name)
+    torch.testing.assert_close(dict(q_network.named_parameters()), dict(reference.named_parameters()), rtol=1e-4, atol=1e-6)
 
 
 def test_reset_steps_are_left_out_of_the_update(lean):
     """A minibatch with reset steps (valid 0) steps as it does without them, whatever they hold."""
     torch.manual_seed(0)
-    init = lean.QNetwork(4)
-    batch = make_batch(32, seed=1)
+    init, batch = lean.QNetwork(4), make_batch(32, seed=1)
     valid = batch[-1].bool()
     assert 0 < valid.sum() < 32
 
@@ -110,8 +104,7 @@ def test_reset_steps_are_left_out_of_the_update(lean):
         step(tuple(garbage), torch.arange(32)),
     ):
         torch.testing.assert_close(metrics, masked, rtol=1e-4, atol=1e-6)
-        for (name, a), (_, b) in zip(masked_net.named_parameters(), net.named_parameters()):
-            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(dict(net.named_parameters()), dict(masked_net.named_parameters()), rtol=1e-4, atol=1e-6)
 
 
 def test_compiled_update_matches_eager(lean):
@@ -126,8 +119,7 @@ def test_compiled_update_matches_eager(lean):
     batch = make_batch(32, seed=3)
     for idx in torch.randperm(32).split(8):
         torch.testing.assert_close(compiled(*batch, idx), eager(*batch, idx), rtol=1e-4, atol=1e-6)
-    for (name, a), (_, b) in zip(q_eager.named_parameters(), q_compiled.named_parameters()):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=name)
+    torch.testing.assert_close(dict(q_compiled.named_parameters()), dict(q_eager.named_parameters()), rtol=1e-4, atol=1e-6)
 
 
 def changed_network(lean, head_activation=nn.Tanh):
@@ -162,8 +154,7 @@ def test_a_changed_network_acts_as_its_module(lean, monkeypatch, capsys):
     with torch.no_grad():
         expected = q_network(frames)
         torch.testing.assert_close(expected, q_network.network(frames / 255.0), rtol=1e-5, atol=1e-5)
-        explore = torch.tensor([True, False, False, True, False])
-        random_actions = torch.tensor([5, 4, 3, 2, 1])
+        explore, random_actions = torch.tensor([True, False, False, True, False]), torch.tensor([5, 4, 3, 2, 1])
         actions, values = lean.make_policy(q_network)(frames, explore, random_actions)
         assert torch.equal(actions, torch.where(explore, random_actions, expected.argmax(1)))
         assert torch.equal(values, expected.max(1).values)

@@ -50,8 +50,7 @@ def test_a_stack_of_seeds_rolls_out_as_each_seed_alone(lean, num_seeds):
     rollout = lean.make_rollout(policy, lean.make_env_step(env, num_seeds), 4)
     starts = [env.reset(seed=7 + k) for k in range(num_seeds)]
     state = leanrl_envs.State(*(torch.stack(x) for x in zip(*(s for s, _ in starts))))
-    obs = torch.stack([o for _, o in starts])
-    alone = [list(s) for s in starts]
+    obs, alone = torch.stack([o for _, o in starts]), [list(s) for s in starts]
     exact = dict(rtol=0, atol=0)
     with torch.no_grad():
         for _ in range(3):

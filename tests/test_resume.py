@@ -213,8 +213,7 @@ def test_every_seed_of_num_seeds_resumes(tmp_path):
     resumed, proc = run_script(script, "--resume", lead, "--save-model", cwd=parts)
     assert resumed["num_seeds"] == 2 and "notice: resuming" in proc.stderr
     for seed in (1, 2):
-        expected = next((whole / "runs").glob(f"*__{seed}__*"))
-        got = next((parts / "runs").glob(f"*__{seed}__*"))
+        expected, got = next((whole / "runs").glob(f"*__{seed}__*")), next((parts / "runs").glob(f"*__{seed}__*"))
         assert scalars(got) == scalars(expected)
         weights = [torch.load(d / "dqn_torchcompile.pt", weights_only=True)["model"] for d in (expected, got)]
         torch.testing.assert_close(weights[1], weights[0], rtol=0, atol=0)
@@ -308,8 +307,6 @@ def test_loop_values_survive_a_weights_only_checkpoint():
     torch.save(leanrl_utils.state.to_plain(values), buffer)
     buffer.seek(0)
     back = leanrl_utils.state.from_plain(torch.load(buffer, weights_only=True))
-    assert back["counts"] == (1, 2.5, 3.0, None, "s")
-    assert back["queue"] == values["queue"] and back["queue"].maxlen == 5
+    assert back["counts"] == (1, 2.5, 3.0, None, "s") and back["queue"] == values["queue"] and back["queue"].maxlen == 5
     assert all(a.dtype == b.dtype and (a == b).all() for a, b in zip(back["arrays"], values["arrays"]))
-    assert torch.equal(back["tensor"], values["tensor"])
-    assert back["rng"].random() == np.random.default_rng(3).random()
+    assert torch.equal(back["tensor"], values["tensor"]) and back["rng"].random() == np.random.default_rng(3).random()

@@ -42,15 +42,12 @@ def lean_learner(lean, args, state, compiled=False):
     log_alpha = torch.nn.Parameter(state["log_alpha"].clone(), requires_grad=args.autotune)
     if not args.autotune:
         log_alpha.fill_(math.log(args.alpha))
-    alpha = log_alpha.detach().exp()
-    q_params = leanrl_utils.seeds.stack([qf1, qf2])
-    target_params = q_params.clone()
-    opt = dict(fused=not compiled)
+    alpha, q_params = log_alpha.detach().exp(), leanrl_utils.seeds.stack([qf1, qf2])
+    target_params, opt = q_params.clone(), dict(fused=not compiled)
     q_optimizer = leanrl_utils.optimizers.Adam(q_params.items(), args.q_lr, **opt)
     actor_optimizer = leanrl_utils.optimizers.Adam(actor.named_parameters(), args.policy_lr, **opt)
     a_optimizer = leanrl_utils.optimizers.Adam([("log_alpha", log_alpha)], args.q_lr, **opt) if args.autotune else None
-    storage = filled_storage(lean)
-    optimizers = q_optimizer, actor_optimizer, a_optimizer
+    storage, optimizers = filled_storage(lean), (q_optimizer, actor_optimizer, a_optimizer)
     update_critic, update_actor = lean.make_update(actor, qf1, target_params, alpha, *optimizers, storage, args.gamma)
     if compiled:  # fullgraph: each update one graph (a graph break raises), as main compiles them
         options = {"guard_filter_fn": leanrl_utils.speed.value_guards}
@@ -91,16 +88,14 @@ def state_of(nets):
 @pytest.mark.parametrize("autotune", [True, False], ids=["autotune", "fixed-alpha"])
 def test_lean_update_is_the_plain_update(plain, lean, autotune):
     """The lean steps against sac_continuous_action.py's with the same noise, 4 steps (rtol 1e-4)."""
-    args = plain.Args(autotune=autotune, alpha=0.1)
-    state = initial_state(plain)
+    args, state = plain.Args(autotune=autotune, alpha=0.1), initial_state(plain)
     nets, storage, update_critic, update_actor, update_target, target_params = lean_learner(lean, args, state)
     actor, qf1, qf2 = networks(plain, state)
     qf1_target, qf2_target = copy.deepcopy(qf1), copy.deepcopy(qf2)
     q_optimizer = torch.optim.Adam(list(qf1.parameters()) + list(qf2.parameters()), lr=args.q_lr)
     actor_optimizer = torch.optim.Adam(list(actor.parameters()), lr=args.policy_lr)
     log_alpha = torch.zeros(1, requires_grad=True)
-    a_optimizer = torch.optim.Adam([log_alpha], lr=args.q_lr)
-    alpha = log_alpha.exp().item() if autotune else args.alpha
+    a_optimizer, alpha = torch.optim.Adam([log_alpha], lr=args.q_lr), log_alpha.exp().item() if autotune else args.alpha
     target_entropy = -float(N_ACT)
     for updates, idx in enumerate(batches(4), start=1):
         torch.manual_seed(100 + updates)
@@ -114,8 +109,7 @@ def test_lean_update_is_the_plain_update(plain, lean, autotune):
             next_q = torch.min(qf1_target(data_next_obs, next_state_actions), qf2_target(data_next_obs, next_state_actions))
             min_qf_next_target = next_q - alpha * next_state_log_pi
             next_q_value = data_rewards.flatten() + (1 - data_dones.flatten()) * args.gamma * (min_qf_next_target).view(-1)
-        qf1_a_values = qf1(data_obs, data_actions).view(-1)
-        qf2_a_values = qf2(data_obs, data_actions).view(-1)
+        qf1_a_values, qf2_a_values = qf1(data_obs, data_actions).view(-1), qf2(data_obs, data_actions).view(-1)
         qf1_loss, qf2_loss = F.mse_loss(qf1_a_values, next_q_value), F.mse_loss(qf2_a_values, next_q_value)
         qf_loss = qf1_loss + qf2_loss
         q_optimizer.zero_grad()
@@ -146,17 +140,15 @@ def test_lean_update_is_the_plain_update(plain, lean, autotune):
         plain_state = state_of({"actor": actor, "qf1": qf1, "qf2": qf2, "log_alpha": None, "alpha": torch.zeros(())})
         plain_state.update(log_alpha=log_alpha.detach() if autotune else nets["log_alpha"], alpha=torch.tensor([alpha]))
         torch.testing.assert_close(state_of(nets), plain_state, rtol=1e-4, atol=1e-5)
-        for i, target in enumerate((qf1_target, qf2_target)):
-            torch.testing.assert_close(dict(target_params[i].items()), target.state_dict(), rtol=1e-4, atol=1e-5)
+        targets = [dict(target_params[i].items()) for i in range(2)]
+        torch.testing.assert_close(targets, [qf1_target.state_dict(), qf2_target.state_dict()], rtol=1e-4, atol=1e-5)
     assert torch.isfinite(lean_metrics).all() and len(lean_metrics) == (8 if autotune else 7)
 
 
 def test_compiled_update_matches_eager(lean, plain, inductor_fallback_random):
     """Compiled steps give eager's losses and parameters with the same noise (rtol 1e-4)."""
-    args = lean.Args()
-    state = initial_state(plain)
-    eager = lean_learner(lean, args, state)
-    compiled = lean_learner(lean, args, state, compiled=True)
+    args, state = lean.Args(), initial_state(plain)
+    eager, compiled = lean_learner(lean, args, state), lean_learner(lean, args, state, compiled=True)
     for updates, idx in enumerate(batches(4), start=1):
         results = []
         for nets, _, update_critic, update_actor, update_target, _ in (eager, compiled):
@@ -247,8 +239,7 @@ def test_changed_networks_reach_the_update_and_the_policy(lean, monkeypatch, cha
     q_params = dict(torch.stack([from_module(qf1).data, from_module(qf2).data]).flatten_keys(".").items())
     with torch.no_grad():
         q = leanrl_utils.seeds.forward(qf1, shared=(0, 1))(q_params, obs, act)
-        for i, qf in enumerate((qf1, qf2)):
-            torch.testing.assert_close(q[i], qf(obs, act), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close((q[0], q[1]), (qf1(obs, act), qf2(obs, act)), rtol=1e-5, atol=1e-6)
         targets = copy.deepcopy(qf1), copy.deepcopy(qf2)  # the targets start as copies
         torch.manual_seed(5)
         next_actions, next_log_pi, _ = actor.get_action(next_obs)

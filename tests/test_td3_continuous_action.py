@@ -82,8 +82,7 @@ def make_lean(lean, networks, storage, args, compiled):
     actor, qf1, qf2 = copy.deepcopy(networks)
     q_params = leanrl_utils.seeds.stack([qf1, qf2])
     params = TensorDict(actor=from_module(actor).data, qnet=q_params)
-    target_params = params.clone()
-    target_actor = type(actor)(N_OBS, N_ACT, LOW, HIGH, device="meta")
+    target_params, target_actor = params.clone(), type(actor)(N_OBS, N_ACT, LOW, HIGH, device="meta")
     target_params["actor"].to_module(target_actor)
     q_optimizer = leanrl_utils.optimizers.Adam(q_params.items(), args.learning_rate, fused=not compiled)
     actor_optimizer = leanrl_utils.optimizers.Adam(actor.named_parameters(), args.learning_rate, fused=not compiled)
@@ -123,8 +122,7 @@ def run_plain(plain, networks, storage, batches, args):
             next_actions = (target_actor(data_next_obs) + noise * target_actor.action_scale).clamp(action_low, action_high)
             min_qf_next_target = torch.min(qf1_target(data_next_obs, next_actions), qf2_target(data_next_obs, next_actions))
             next_q_value = data_rewards + (1 - data_dones) * args.gamma * min_qf_next_target.view(-1)
-        qf1_a_values = qf1(data_obs, data_actions).view(-1)
-        qf2_a_values = qf2(data_obs, data_actions).view(-1)
+        qf1_a_values, qf2_a_values = qf1(data_obs, data_actions).view(-1), qf2(data_obs, data_actions).view(-1)
         qf1_loss, qf2_loss = F.mse_loss(qf1_a_values, next_q_value), F.mse_loss(qf2_a_values, next_q_value)
         qf_loss = qf1_loss + qf2_loss
         q_optimizer.zero_grad()
@@ -179,8 +177,7 @@ def test_lean_update_is_the_plain_update(plain, lean, network):
         lean_target = dict(lean_target.flatten_keys(".").items())
         torch.testing.assert_close(lean_target, plain_target.state_dict(), rtol=1e-5, atol=1e-6)
     # The steps moved every network and target (else the comparison above proves nothing).
-    for before, after in zip(networks, plain_nets):
-        assert not torch.equal(before.fc2.weight, after.fc2.weight)
+    assert all(not torch.equal(before.fc2.weight, after.fc2.weight) for before, after in zip(networks, plain_nets))
     assert not torch.equal(plain_targets[2].fc1.weight, networks[2].fc1.weight)
 
 

@@ -196,8 +196,7 @@ DRIFT = textwrap.dedent("""
 
 @pytest.mark.parametrize("drift", [0.0, 1e-6])
 def test_drifted_ranks_stop_the_run(drift, workdir):
-    script = LEAN_PPO[0]
-    worker = workdir / "drift.py"
+    script, worker = LEAN_PPO[0], workdir / "drift.py"
     worker.write_text(DRIFT)
     proc = torchrun(worker, script, drift, cwd=workdir)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -21,25 +21,21 @@ def test_same_step_envs_step_as_gymnasium_does(env_id):
     thunk = lambda: gym.wrappers.RecordEpisodeStatistics(gym.make(env_id, max_episode_steps=12))
     ours = leanrl_utils.vector.SameStepEnvs([thunk] * 3)
     theirs = gym.vector.SyncVectorEnv([thunk] * 3, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
-    for a, b in zip(ours.reset(seed=5)[0], theirs.reset(seed=5)[0]):
-        assert np.array_equal(a, b)
+    assert all(np.array_equal(a, b) for a, b in zip(ours.reset(seed=5)[0], theirs.reset(seed=5)[0]))
     theirs.action_space.seed(5)
     ends = truncations = 0
     for t in range(600):
         actions = theirs.action_space.sample()
         mine, gyms = ours.step(actions), theirs.step(actions)
-        for x, y in zip(mine[:4], gyms[:4]):
-            assert x.dtype == y.dtype and np.array_equal(x, y), t
+        assert all(x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(mine[:4], gyms[:4])), t
         assert ("final_obs" in mine[4]) == ("final_obs" in gyms[4]), t
         if "final_obs" in gyms[4]:
             done = gyms[4]["_final_obs"]
             assert np.array_equal(mine[4]["_final_obs"], done)
-            for i in np.flatnonzero(done):
-                assert np.array_equal(mine[4]["final_obs"][i], gyms[4]["final_obs"][i])
+            assert all(np.array_equal(mine[4]["final_obs"][i], gyms[4]["final_obs"][i]) for i in np.flatnonzero(done))
             stats, expected = mine[4]["final_info"], gyms[4]["final_info"]
             assert np.array_equal(stats["_episode"], expected["_episode"])
-            for key in ("r", "l"):
-                assert np.array_equal(stats["episode"][key][done], expected["episode"][key][done])
+            assert all(np.array_equal(stats["episode"][k][done], expected["episode"][k][done]) for k in ("r", "l"))
             ends += done.sum()
             truncations += gyms[3].sum()
     assert ends - truncations >= 10 and truncations >= 10, (ends, truncations)
@@ -77,8 +73,7 @@ def stacked(make, num_seeds):
 def test_derived_forms_act_as_the_module_does(name, num_seeds):
     """The stacked torch form and the numpy form give each seed's rows what its module gives, and see weight changes."""
     nets, params = stacked(NETWORKS[name], num_seeds)
-    x = torch.randn(num_seeds, 6, 5)
-    torch_form = leanrl_utils.seeds.forward(nets[0])
+    x, torch_form = torch.randn(num_seeds, 6, 5), leanrl_utils.seeds.forward(nets[0])
     numpy_form = leanrl_utils.acting.numpy_forward(nets[0], dict(params.items()))
     for _ in range(2):
         with torch.no_grad():
