@@ -286,6 +286,18 @@ def assert_plain_dqn_step(metrics, nets, optimizer, batch, gamma, seed_net, tole
     torch.testing.assert_close(seed_net.state_dict(), q_ref.state_dict(), **tolerance)
 
 
+def plain_twin_critic_step(qf1, qf2, optimizer, obs, actions, next_q_value):
+    """The plain SAC and TD3 scripts' critic step as in their loops; its metrics in the lean METRICS' order."""
+    qf1_a_values, qf2_a_values = qf1(obs, actions).view(-1), qf2(obs, actions).view(-1)
+    qf1_loss = torch.nn.functional.mse_loss(qf1_a_values, next_q_value)
+    qf2_loss = torch.nn.functional.mse_loss(qf2_a_values, next_q_value)
+    qf_loss = qf1_loss + qf2_loss
+    optimizer.zero_grad()
+    qf_loss.backward()
+    optimizer.step()
+    return [qf_loss / 2.0, qf1_loss, qf2_loss, qf1_a_values.mean(), qf2_a_values.mean()]
+
+
 def dqn_learner(lean, nets, targets, storage, gamma=0.99, learning_rate=2.5e-4):
     """A lean DQN script's set-up over copies of `nets` and `targets`: (nets, params, target_params, update)."""
     nets, targets = copy.deepcopy(nets), copy.deepcopy(targets)

@@ -173,7 +173,7 @@ BAD_INPUT = {
     "pqn_atari_envpool/minibatches": (["--num-minibatches", "3"], ["--num-minibatches 3", "32"]),
     "pqn_atari_envpool/budget": (["--total-timesteps", "20"], ["--total-timesteps 20", "32"]),
     "pqn_atari_envpool/lambda": (["--q-lambda", "-0.1"], ["--q-lambda -0.1"]),
-    "sac_continuous_action/discrete-actions": (["--env-id", "CartPole-v1"], ["Discrete", "continuous"]),
+    "sac_continuous_action/discrete-actions": (["--env-id", "CartPole-v1"], ["CartPole-v1", "Discrete", "continuous"]),
     "sac_continuous_action/batch-over-buffer": (["--batch-size", "512", "--buffer-size", "256"],
                                                 ["--batch-size", "--buffer-size"]),
     "sac_continuous_action/envs-over-buffer": (["--num-envs", "4", "--buffer-size", "2", "--batch-size", "2"],
@@ -213,5 +213,5 @@ def test_bad_input_is_one_line_before_any_work(path, case, monkeypatch, tmp_path
     """Exit 2, one `error:` line naming the words, no traceback, nothing on stdout, no run folder."""
     module = load_script(path)
     argv, words = BAD_INPUT[case]
-    refused_in_process(module, *argv, words=words, tmp_path=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
-    assert not (tmp_path / "runs").exists()
+    line = refused_in_process(module, *argv, words=words, tmp_path=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    assert not (tmp_path / "runs").exists() and "--num-seeds" not in line  # a single run's line: no seeds' word

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import TINY, pair, recorded_runs, run_script
+from conftest import TINY, pair, plain_twin_critic_step, recorded_runs, run_script
 from tensordict import from_module
 
 import leanrl_utils
@@ -109,13 +109,7 @@ def test_lean_update_is_the_plain_update(plain, lean, autotune):
             next_q = torch.min(qf1_target(data_next_obs, next_state_actions), qf2_target(data_next_obs, next_state_actions))
             min_qf_next_target = next_q - alpha * next_state_log_pi
             next_q_value = data_rewards.flatten() + (1 - data_dones.flatten()) * args.gamma * (min_qf_next_target).view(-1)
-        qf1_a_values, qf2_a_values = qf1(data_obs, data_actions).view(-1), qf2(data_obs, data_actions).view(-1)
-        qf1_loss, qf2_loss = F.mse_loss(qf1_a_values, next_q_value), F.mse_loss(qf2_a_values, next_q_value)
-        qf_loss = qf1_loss + qf2_loss
-        q_optimizer.zero_grad()
-        qf_loss.backward()
-        q_optimizer.step()
-        expected = [qf_loss / 2.0, qf1_loss, qf2_loss, qf1_a_values.mean(), qf2_a_values.mean()]
+        expected = plain_twin_critic_step(qf1, qf2, q_optimizer, data_obs, data_actions, next_q_value)
         if updates % args.policy_frequency == 0:
             for _ in range(args.policy_frequency):
                 pi, log_pi, _ = actor.get_action(data_obs)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import TINY, pair, run_script
+from conftest import TINY, pair, plain_twin_critic_step, run_script
 from tensordict import TensorDict, from_module
 from test_continuous_buffers import KEYS, make_buffer
 
@@ -122,13 +122,7 @@ def run_plain(plain, networks, storage, batches, args):
             next_actions = (target_actor(data_next_obs) + noise * target_actor.action_scale).clamp(action_low, action_high)
             min_qf_next_target = torch.min(qf1_target(data_next_obs, next_actions), qf2_target(data_next_obs, next_actions))
             next_q_value = data_rewards + (1 - data_dones) * args.gamma * min_qf_next_target.view(-1)
-        qf1_a_values, qf2_a_values = qf1(data_obs, data_actions).view(-1), qf2(data_obs, data_actions).view(-1)
-        qf1_loss, qf2_loss = F.mse_loss(qf1_a_values, next_q_value), F.mse_loss(qf2_a_values, next_q_value)
-        qf_loss = qf1_loss + qf2_loss
-        q_optimizer.zero_grad()
-        qf_loss.backward()
-        q_optimizer.step()
-        values = [qf_loss / 2.0, qf1_loss, qf2_loss, qf1_a_values.mean(), qf2_a_values.mean()]  # lean.METRICS' order
+        values = plain_twin_critic_step(qf1, qf2, q_optimizer, data_obs, data_actions, next_q_value)
         if k % 2:
             actor_loss = -qf1(data_obs, actor(data_obs)).mean()
             actor_optimizer.zero_grad()
