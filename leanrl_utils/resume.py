@@ -129,9 +129,7 @@ def save(lead, iteration, finished):
     seeds = []
     for run in lead.seeds:
         run.open()
-        run.write()
-        if run.writer:
-            run.writer.flush()
+        run.write("flush")
         events = {f: os.path.getsize(f"{run.dir}/{f}") for f in os.listdir(run.dir) if f.startswith("events.out.tfevents")}
         seeds.append(
             {"name": run.name, "step": run.step, "updates": run.updates, "returns": list(run.returns)}

@@ -96,7 +96,9 @@ class Run:
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(os.path.abspath(self.dir))  # its thread may outlive a chdir
+            # max_queue: a log point's burst of scalars waits in the queue, where a short one hands the
+            # GIL to the writer thread at every event. An absolute path: the thread may outlive a chdir.
+            self.writer = SummaryWriter(os.path.abspath(self.dir), max_queue=1000)
             if not mine:
                 table = "\n".join(f"|{k}|{v}|" for k, v in vars(self.args).items())
                 self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
@@ -180,15 +182,17 @@ class Run:
         self.returns.append(r)
         self.points.append((step, {"charts/episodic_return": r, "charts/episodic_length": n}))
 
-    def write(self):
-        """The points since the last log point, to TensorBoard and wandb; a failing writer is said in
-        one line and dropped."""
+    def write(self, then=None):
+        """The points since the last log point, to TensorBoard and wandb, then the TensorBoard writer's
+        `then` ("flush", "close"); a failing writer is said in one line and dropped."""
         try:
             for step, values in self.points:
                 for k, v in values.items() if self.writer else ():
                     self.writer.add_scalar(k, v, step)  # TensorBoard's thread raises its errors here
                 if self.wandb:
                     self.wandb.log(values, step=step)
+            if then and self.writer:
+                getattr(self.writer, then)()  # and here
         except Exception as e:
             self.write_failed("TensorBoard events", e)
             with suppress(Exception):

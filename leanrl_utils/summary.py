@@ -77,9 +77,7 @@ def finish(run, step, updates, networks, evaluate, fields):
         for s, handler in zip((signal.SIGINT, signal.SIGTERM), previous):
             signal.signal(s, handler)
     run.curve.close()
-    run.write()
-    if run.writer:
-        run.writer.close()
+    run.write("close")
     if run.wandb:
         run.wandb.finish()
     if run is not lead:
