@@ -20,14 +20,15 @@ import torch
 
 # RANDOM NUMBERS
 # Reset noise is a hash of (key, counter, env, column): Wellons' lowbias32, a bijection on 32-bit
-# integers, computed in int64 on values below 2**32 (so no product overflows and no shift sees a sign).
+# integers, computed in int64 on values below 2**32 (so no shift sees a sign).
 # No generator state to carry or sync, and the same key gives the same draws on CPU, CUDA and compiled.
 _M32 = 0xFFFFFFFF
 
 
 def _mul32(x, c):
-    """x * c mod 2**32 with every product below 2**48: `c` split into 16-bit halves."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+    """x * c mod 2**32: `c` as a signed 32-bit number (c - 2**32 from 2**31 on, the same residue), so
+    that the product stays within int64."""
+    return (x * (c - (1 << 32) if c >> 31 else c)) & _M32
 
 
 def _hash32(x):
