@@ -149,7 +149,7 @@ def test_unknown_or_malformed_flag_keeps_tyros_box_as_the_readme_says(argv, work
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and 5 <= len(lines) <= 9, proc.stderr
     assert lines[0].startswith("\u256d") and argv[-1] in proc.stderr, proc.stderr  # the box's top-left corner
-    assert "keeps tyro's boxed usage message" in " ".join((ROOT / "README.md").read_text().split())
+    assert "flag keeps tyro's boxed usage message" in " ".join((ROOT / "README.md").read_text().split())
 
 
 TORCHRUN_BAD = {
