@@ -476,7 +476,11 @@ def main(args: Args):
     # --compile: the update everywhere; the policy off a CPU (numpy acts there); GAE stays eager,
     # as compiling its sequential loop would unroll num_steps steps into one graph.
     if args.compile:
-        update = torch.compile(update, fullgraph=True, options={"guard_filter_fn": speed.value_guards})
+        # use_decompose_tanh: inductor's C++ code computes tanh as 2 / (1 + exp(-2x)) - 1 (within
+        # 2e-7 of torch.tanh), where its vectorized tanh took 4x eager's time (benchmark/RESULTS.md).
+        update = torch.compile(
+            update, fullgraph=True, options={"guard_filter_fn": speed.value_guards, "cpp.use_decompose_tanh": True}
+        )
         if device.type != "cpu":
             policy = torch.compile(policy, options={"guard_filter_fn": speed.value_guards})
         # A stop signal ends their cold compile at once; the loop goes on eagerly to its checkpoint.

@@ -382,7 +382,9 @@ def main(args: Args):
     # kernels on a CPU); the policy off a CPU (numpy acts there); GAE stays eager, as compiling its
     # sequential loop would unroll num_steps steps into one graph.
     if args.compile:
-        options = {"guard_filter_fn": speed.value_guards, "cpp_wrapper": device.type == "cpu"}
+        # use_decompose_tanh: inductor's C++ code computes tanh as 2 / (1 + exp(-2x)) - 1 (within
+        # 2e-7 of torch.tanh), where its vectorized tanh took 4x eager's time (benchmark/RESULTS.md).
+        options = {"guard_filter_fn": speed.value_guards, "cpp_wrapper": device.type == "cpu", "cpp.use_decompose_tanh": True}
         update = torch.compile(update, fullgraph=True, options=options)
         if device.type != "cpu":
             policy = torch.compile(policy, options={"guard_filter_fn": speed.value_guards})

@@ -131,7 +131,7 @@ def lean_update(lean, agent, args, compiled):
     """A lean minibatch update of one agent, eager (fused Adam) or compiled (per-tensor Adam), and its lr tensor."""
     lr = torch.tensor(args.learning_rate)
     update = lean.make_update(agent, leanrl_utils.optimizers.Adam(stack_of_one(agent), lr, eps=1e-5, fused=not compiled), args)
-    options = {"guard_filter_fn": leanrl_utils.speed.value_guards}
+    options = {"guard_filter_fn": leanrl_utils.speed.value_guards, "cpp.use_decompose_tanh": True}  # as the scripts
     return unstacked(torch.compile(update, fullgraph=True, options=options) if compiled else update), lr
 
 
