@@ -383,7 +383,7 @@ def main(args: Args):
     # sequential loop would unroll num_steps steps into one graph.
     if args.compile:
         # use_decompose_tanh: inductor's C++ code computes tanh as 2 / (1 + exp(-2x)) - 1 (within
-        # 2e-7 of torch.tanh), where its vectorized tanh took 4x eager's time (benchmark/RESULTS.md).
+        # 2e-7 of torch.tanh): its vectorized tanh cost several times eager's (benchmark/RESULTS.md).
         options = {"guard_filter_fn": speed.value_guards, "cpp_wrapper": device.type == "cpu", "cpp.use_decompose_tanh": True}
         update = torch.compile(update, fullgraph=True, options=options)
         if device.type != "cpu":

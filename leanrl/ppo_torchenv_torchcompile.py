@@ -378,7 +378,7 @@ def main(args: Args):
     # between kernels on a CPU.
     if args.compile:
         # use_decompose_tanh: inductor's C++ code computes tanh as 2 / (1 + exp(-2x)) - 1 (within
-        # 2e-7 of torch.tanh), where its vectorized tanh took 4x eager's time (benchmark/RESULTS.md).
+        # 2e-7 of torch.tanh): its vectorized tanh cost several times eager's (benchmark/RESULTS.md).
         options = {"guard_filter_fn": speed.value_guards, "cpp_wrapper": device.type == "cpu", "cpp.use_decompose_tanh": True}
         # The envs' hash reads each intermediate twice; inductor inlines such chains into their
         # readers, and tracing their copies took most of the rollout's compile. Storing any
