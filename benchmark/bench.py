@@ -44,7 +44,14 @@ MODES = {
 # on. A family missing here is no error: it runs with DEFAULT, its script's own env and defaults,
 # and gets no ceilings.
 DEFAULT = dict(
-    env_id=None, num_envs=1, args=[], budget=dict(full=20000, quick=5000, tiny=256), tiny_args=[], arith=None, envpool=False
+    env_id=None,
+    num_envs=1,
+    args=[],
+    budget=dict(full=20000, quick=5000, tiny=256),
+    tiny_args=[],
+    arith=None,
+    envpool=False,
+    torch_env=False,
 )
 # off-policy: 300 training steps after 256 acting ones (their single-row forwards are recorded too,
 # well under 1% of the replay time)
@@ -102,10 +109,11 @@ FAMILIES = {
         tiny_args=["--num-envs", "2", "--num-steps", "64", "--num-minibatches", "2", "--update-epochs", "2"],
         arith=dict(args=["--total-timesteps", "1024"], steps=1024),
     ),
-    # PPO discrete on torch-native envs: as "ppo". Its env ceiling is gymnasium's CartPole, the env
-    # the torch one replaces: the lean script may pass it.
+    # PPO discrete on torch-native envs: as "ppo". Its env ceiling steps the torch-native CartPole
+    # compiled, `torch_env` (benchmark/ceilings.py).
     "ppo_torchenv": dict(
         env_id="CartPole-v1",
+        torch_env=True,
         num_envs=4,
         budget=dict(full=102400, quick=20480, tiny=512),
         tiny_args=["--num-envs", "2", "--num-steps", "64", "--num-minibatches", "2", "--update-epochs", "2"],
@@ -119,10 +127,10 @@ FAMILIES = {
         tiny_args=["--num-envs", "2", "--num-steps", "64", "--num-minibatches", "2", "--update-epochs", "2"],
         arith=dict(args=["--total-timesteps", "1024"], steps=1024),
     ),
-    # PQN on the torch-native CartPole: as "pqn". No ceilings: the env is the script's own torch code,
-    # which gymnasium's env ceiling does not bound.
+    # PQN on the torch-native CartPole: as "pqn"; the env ceiling as "ppo_torchenv"'s.
     "pqn_torchenv": dict(
-        env_id=None,
+        env_id="CartPole-v1",
+        torch_env=True,
         num_envs=4,
         budget=dict(full=102400, quick=20480, tiny=512),
         tiny_args=["--num-envs", "2", "--num-steps", "64", "--num-minibatches", "2", "--update-epochs", "2"],
@@ -249,9 +257,9 @@ def ceilings_of(fams, work_dir):
         print(f"ceiling: {fam} ({cfg['env_id'] or 'not in FAMILIES: no env to measure'})", flush=True)
         if not cfg["env_id"]:
             continue
-        key = (cfg["env_id"], cfg["num_envs"])
+        key = (cfg["env_id"], cfg["num_envs"], cfg["torch_env"])
         if key not in env_measured:
-            env_measured[key] = env_ceiling(*key, envpool_env=cfg["envpool"])
+            env_measured[key] = env_ceiling(*key[:2], envpool_env=cfg["envpool"], torch_env=cfg["torch_env"])
         ceilings[fam] = {"env": env_measured[key]}
         if cfg["arith"]:
             argv = cfg["arith"]["args"] + (["--env-id", cfg["env_id"]] if cfg["env_id"] else [])
@@ -357,8 +365,9 @@ def summarize(results, skipped, ceilings, info):
     rows += ["", "Ceilings (steps/s):", ""] if ceilings else []
     for fam, ceil in ceilings.items():
         cfg, a = config(fam), ceil.get("arith")
+        env = f"{cfg['env_id']}{' torch-native, compiled' if cfg['torch_env'] else ''}, {cfg['num_envs']} env"
         rows.append(
-            f"- {fam}: env alone {ceil['env']['sps']:,.0f} ({cfg['env_id']}, {cfg['num_envs']} env, random actions)"
+            f"- {fam}: env alone {ceil['env']['sps']:,.0f} ({env}, random actions)"
             + (
                 f"; dense ops alone {a['sps']:,.0f} ({a['gflop_per_step']:.3g} GFLOP per step at {a['gflops']:.0f} GFLOP/s)"
                 if a

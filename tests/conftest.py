@@ -26,6 +26,8 @@ torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "leanrl"
+# Source for `before` that restores a terminal's SIGINT: where a shell or xdist ignores it, a child inherits that.
+TERMINAL = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
 
 
 def scripts(pattern):

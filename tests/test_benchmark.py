@@ -103,8 +103,7 @@ def test_run_one_reads_the_summary_and_the_curve_relative_to_the_runs_cwd(bench,
 
 
 def test_a_run_past_its_timeout_is_stopped_and_counted_as_failed(bench, tmp_path):
-    sleeper = tmp_path / "sleeper.py"
-    sleeper.write_text("import time\nprint('{\"sps\": 1.0}', flush=True)\ntime.sleep(60)\n")
+    (sleeper := tmp_path / "sleeper.py").write_text("import time\nprint('{\"sps\": 1.0}', flush=True)\ntime.sleep(60)\n")
     start = time.monotonic()
     assert bench.run_one(sleeper, [], tmp_path / "sleeper.log", timeout=2) is None
     assert (tmp_path / "sleeper.log").exists() and time.monotonic() - start < 30
@@ -120,8 +119,9 @@ def test_families_are_globbed_and_a_family_without_a_budget_uses_the_default(ben
     assert bench.ceilings_of(["new_algo"], tmp_path) == {}  # no env to measure, and no error
 
 
-def test_env_ceiling_steps_the_env():
-    assert load_ceilings().env_ceiling("CartPole-v1", 2, seconds=0.3)["sps"] > 0
+@pytest.mark.parametrize("torch_env", [False, True], ids=["gymnasium", "torch-native"])
+def test_env_ceiling_steps_the_env(torch_env):
+    assert load_ceilings().env_ceiling("CartPole-v1", 2, torch_env=torch_env, seconds=0.3)["sps"] > 0
 
 
 def test_arithmetic_ceiling_replays_recorded_matmuls(bench, tmp_path):

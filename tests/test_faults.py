@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
+    TERMINAL,
     TINY,
     assert_refused_before_work,
     family,
@@ -267,14 +268,10 @@ def test_signal_during_evaluation_still_prints_the_summary(script, signum, workd
 @pytest.mark.parametrize("script", PLAIN, ids=lambda s: s.stem)
 def test_ctrl_c_while_setting_up_is_an_interrupted_run(script, workdir):
     """A Ctrl-C before the loop: summary, exit 130, no traceback, no untrained checkpoint."""
-    before = (
+    before = TERMINAL + (
         "import os, signal, torch.optim\n"
-        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
-        "_init = torch.optim.Optimizer.__init__\n"
-        "def interrupted(*args, **kwargs):\n"
-        "    os.kill(os.getpid(), signal.SIGINT)\n"
-        "    _init(*args, **kwargs)\n"
-        "torch.optim.Optimizer.__init__ = interrupted"
+        "_init = torch.optim.Optimizer.__init__\n"  # the optimizer's __init__ signals, then runs
+        "torch.optim.Optimizer.__init__ = lambda *a, **k: (os.kill(os.getpid(), signal.SIGINT), _init(*a, **k))[1]"
     )
     proc = start_long_run(script, workdir, "--total-timesteps", 10_000, "--save-model", before=before)
     summary = stop_and_read(proc, signal.SIGINT, "", send=False)

@@ -11,6 +11,7 @@ import types
 import pytest
 from conftest import (
     ROOT,
+    TERMINAL,
     TINY,
     assert_one_line_error,
     family,
@@ -109,8 +110,7 @@ def test_env_that_cannot_be_made_is_one_line_before_the_run_folder(script, env_i
     assert all(word in error for word in [env_id, *words]), error
 
 
-# A real SIGINT (as from a terminal: xdist workers ignore it) after leanrl_utils's import, before the run exists.
-TERMINAL = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+# A real SIGINT (TERMINAL: as from a terminal) after leanrl_utils's import, before the run exists.
 CTRL_C_BEFORE_THE_RUN = {
     "parsing-flags": TERMINAL + "import os, signal, time, tyro\n"
     "tyro.cli = lambda *a, **k: (os.kill(os.getpid(), signal.SIGINT), time.sleep(30))",

@@ -11,7 +11,7 @@ import types
 
 import pytest
 import torch
-from conftest import last_summary, pair, run_script, script_command, script_env, tiny, tiny_args
+from conftest import TERMINAL, last_summary, pair, run_script, script_command, script_env, tiny, tiny_args
 
 import leanrl_utils
 
@@ -176,7 +176,7 @@ INT, TERM = signal.SIGINT, signal.SIGTERM
 @pytest.mark.parametrize("signums", [(INT,), (TERM,), (INT, TERM), (TERM, INT)])
 def test_signals_during_the_final_save_are_recorded(signums, tmp_path):
     """The save completes, evaluation is skipped, the summary says interrupted, the exit status is the first signal's."""
-    before = SIGNALS_IN_SAVE.format(signums=[int(s) for s in signums])
+    before = TERMINAL + SIGNALS_IN_SAVE.format(signums=[int(s) for s in signums])
     argv = tiny(DQN, "--save-model", "--eval-episodes", "20")
     summary, proc = run_script(DQN, *argv, cwd=tmp_path, before=before, check=False)
     assert proc.returncode == 128 + signums[0] and "Traceback" not in proc.stderr, (proc.returncode, proc.stderr)
