@@ -26,7 +26,11 @@ def rate(work, seconds):
     return calls / (time.monotonic() - start)
 
 
-def torch_env_steps(env_id, num_envs, steps=8):
+# Env steps per compiled call of the torch-native ceiling: the lean torch-env PPO's --unroll default.
+TORCH_ENV_STEPS = 8
+
+
+def torch_env_steps(env_id, num_envs, steps=TORCH_ENV_STEPS):
     """A call that steps a torch-native env `steps` times with random actions (counter hashes, as the
     lean scripts draw) and keeps what a rollout stores, compiled into one graph as their rollout is."""
     import torch
@@ -55,11 +59,12 @@ def torch_env_steps(env_id, num_envs, steps=8):
 
 def env_ceiling(env_id, num_envs, envpool_env=False, torch_env=False, seconds=5.0):
     """Steps per second of the env alone (random actions, no learning, same vector API and number
-    of envs): no script on this env can beat it. A torch-native env steps 8 times a compiled call."""
+    of envs): no script on this env can beat it. A torch-native env steps TORCH_ENV_STEPS times a
+    compiled call."""
     import numpy as np
 
     if torch_env:
-        return {"sps": 8 * num_envs * rate(torch_env_steps(env_id, num_envs), seconds)}
+        return {"sps": TORCH_ENV_STEPS * num_envs * rate(torch_env_steps(env_id, num_envs), seconds)}
     if envpool_env:
         import envpool
 
