@@ -57,9 +57,9 @@ class Run:
 
     def on_signal(self, signum, frame):
         """Ctrl-C and SIGTERM: noted, acted on at the loop's next `checkpoint`; a cold compile ends
-        here (`speed.interruptible`). Further signals change nothing."""
-        first, self.stop_signal = self.stop_signal is None, self.stop_signal or signal.Signals(signum)
-        if first and self.compiling:
+        here (`speed.interruptible`). Further signals change nothing else."""
+        self.stop_signal = self.stop_signal or signal.Signals(signum)
+        if self.compiling:
             raise speed.StopCompile
 
     def open(self):

@@ -2,7 +2,9 @@
 torch.compile keeps, and a cold compile that a stop signal ends."""
 
 import functools
+import signal
 import sys
+import threading
 
 import torch
 
@@ -38,7 +40,9 @@ class StopCompile(BaseException):
 def interruptible(run, *fns):
     """torch.compile'd `fns` whose cold compile (their first call) a stop signal ends at once, not
     tens of seconds later (`Run.on_signal` raises StopCompile): that call and every compiled call
-    after it then run eagerly, so the loop reaches its next `checkpoint` and saves."""
+    after it then run eagerly, so the loop reaches its next `checkpoint` and saves. A StopCompile
+    raised inside a finalizer (a `__del__`, a weakref callback) is dropped by Python: the signal is
+    sent again, so it lands where it ends the compile."""
 
     def wrap(fn):
         eager, first = getattr(fn, "__wrapped__", None), True  # torch.compile's wrapper names fn
@@ -50,16 +54,24 @@ def interruptible(run, *fns):
             nonlocal first
             if not first:
                 return fn(*args, **kwargs)
-            lead, first = run.lead, False
+            lead, first, hook = run.lead, False, sys.unraisablehook
+
+            def dropped(unraisable):
+                if not isinstance(unraisable.exc_value, StopCompile):
+                    return hook(unraisable)
+                main = threading.main_thread().ident  # to the main thread: it may wait in a call (for g++)
+                send = functools.partial(signal.pthread_kill, main) if hasattr(signal, "pthread_kill") else signal.raise_signal
+                threading.Timer(0.01, send, (lead.stop_signal,)).start()
+
             try:
                 if lead.stop_signal is None:  # a stop before the compile skips it
-                    lead.compiling = True
+                    lead.compiling, sys.unraisablehook = True, dropped
                     return fn(*args, **kwargs)
             # (A signal in the ms between the compile's end and the call's return runs the call twice.)
             except StopCompile:
                 pass
             finally:
-                lead.compiling = False
+                lead.compiling, sys.unraisablehook = False, hook
             torch.compiler.set_stance("force_eager")
             return eager(*args, **kwargs)
 

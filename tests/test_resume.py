@@ -1,10 +1,14 @@
 """--resume: a run stopped partway and resumed ends as the run unbroken; bad resumes are one line, exit 2."""
 
 import collections
+import functools
 import io
 import json
 import os
 import signal
+import time
+import types
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -172,6 +176,24 @@ def test_a_signal_during_the_cold_compile_ends_it_and_saves(script, tmp_path):
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 143 and "compile-check: force_eager" in stderr, stderr
     assert_resumes_with_its_state(script, next((tmp_path / "runs").iterdir()), int(argv[argv.index("--total-timesteps") + 1]))
+
+
+def test_a_signal_in_a_finalizer_still_ends_the_cold_compile(capsys):
+    """The signal is sent again: the compile ends within seconds, the call runs eagerly, nothing is printed."""
+    lead = types.SimpleNamespace(stop_signal=None, compiling=False)
+    lead.lead, previous = lead, signal.signal(signal.SIGTERM, functools.partial(leanrl_utils.Run.on_signal, lead))
+
+    def cold(x):
+        weakref.finalize(set(), os.kill, os.getpid(), signal.SIGTERM)  # Python drops what is raised there
+        time.sleep(60)  # as for g++: the signal must reach the main thread
+        return "compiled"
+
+    cold.__wrapped__, start = lambda x: "eager", time.perf_counter()  # torch.compile's wrapper names the function
+    try:
+        assert leanrl_utils.speed.interruptible(lead, cold)(0) == "eager" and not capsys.readouterr().err
+        assert time.perf_counter() - start < 30, "the compile went on after the signal"
+    finally:
+        signal.signal(signal.SIGTERM, previous), torch.compiler.set_stance("default")
 
 
 def assert_resumes_with_its_state(script, run_dir, total):

@@ -58,16 +58,20 @@ def test_two_ranks_end_identical(script, compiled, workdir):
     torch.testing.assert_close(torch.tensor(first, dtype=torch.float64), checksum(model), rtol=1e-12, atol=0)
 
 
-# Each rank's half of a batch with world_size 2 against the whole with 1, gradients recorded, unclipped, unnormalized.
-WORKER = textwrap.dedent("""
-    import importlib.util, sys
+# What each rank of a worker does first: the script named by argv[1] loaded as a module, the process group joined.
+JOINED = textwrap.dedent("""
+    import importlib.util, sys, types
     import torch, torch.distributed as dist
-
     spec = importlib.util.spec_from_file_location("script", sys.argv[1])
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
+""")
+
+
+# Each rank's half of a batch with world_size 2 against the whole with 1, gradients recorded, unclipped, unnormalized.
+WORKER = JOINED + textwrap.dedent("""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     n = 8 * world_size
@@ -175,19 +179,12 @@ def test_a_stopped_run_resumes_under_torchrun_as_the_unbroken_run(workdir):
 
 
 # Under torchrun rank 1's parameters differ from rank 0's (or not); the script's end of run compares their checksums.
-DRIFT = textwrap.dedent("""
-    import importlib.util, sys, types
-    import torch, torch.distributed as dist
-
-    spec = importlib.util.spec_from_file_location("script", sys.argv[1])
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    dist.init_process_group("gloo")
-    rank, drift = dist.get_rank(), float(sys.argv[2])
+DRIFT = JOINED + textwrap.dedent("""
+    drift = float(sys.argv[2])
     run = types.SimpleNamespace(stop_signal=None, stop_reason=None, iteration=None)
     run.lead = run
     params = [torch.linspace(-1, 1, 7), torch.ones(2, 3) + drift * rank]
-    fields = script.torchrun.leave(run, params, dist.get_world_size(), lost=False)
+    fields = script.torchrun.leave(run, params, world_size, lost=False)
     # one write for the whole line: the ranks share the pipe, and print writes the newline apart
     sys.stdout.write(f"rank {rank}: {len(set(fields['rank_checksums']))} {run.stop_reason}\\n")
     sys.stdout.flush()
@@ -205,15 +202,3 @@ def test_drifted_ranks_stop_the_run(drift, workdir):
         assert len(lines) == 2 and all(" 2 the ranks' parameters differ" in line for line in lines), lines
     else:
         assert lines == ["rank 0: 1 None", "rank 1: 1 None"]
-
-
-def test_the_distributed_helpers_live_in_leanrl_utils():
-    """One lean pattern: what torchrun needs is imported from leanrl_utils by every script that has it."""
-    import leanrl_utils.torchrun
-
-    names = ["init", "error_line", "broadcast", "all_reduce_mean", "gather_episodes", "leave"]
-    for path in LEAN_PPO:
-        text = path.read_text()
-        for name in names:
-            assert f"\ndef {name}(" not in text and f"torchrun.{name}(" in text, (path.name, name)
-            assert callable(getattr(leanrl_utils.torchrun, name))
