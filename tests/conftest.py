@@ -30,6 +30,10 @@ SCRIPTS = ROOT / "leanrl"
 TERMINAL = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
 
 
+def pytest_collection_modifyitems(items):  # learning runs first: under xdist they overlap short tests, not end the suite
+    items.sort(key=lambda item: item.get_closest_marker("learning") is None)
+
+
 def scripts(pattern):
     """Script paths matching a glob inside leanrl/, sorted; never a hand-typed list."""
     found = sorted(SCRIPTS.glob(pattern))

@@ -245,8 +245,7 @@ def test_compiled_update_matches_eager(lean, num_seeds):
     compiled = torch.compile(compiled, options={"guard_filter_fn": leanrl_utils.speed.value_guards, "cpp_wrapper": True})
     for k, idx in enumerate(batches):
         if k == 3:  # a target copy in place, as the loop does: the graph must read the current target weights
-            eager_targets.lerp_(eager_params, 1.0)
-            compiled_targets.lerp_(compiled_params, 1.0)
+            eager_targets.lerp_(eager_params, 1.0), compiled_targets.lerp_(compiled_params, 1.0)
         torch.testing.assert_close(compiled(idx), eager(idx), rtol=1e-5, atol=1e-5)
         state = lambda nets: [net.state_dict() for net in nets]
         torch.testing.assert_close(state(compiled_nets), state(eager_nets), rtol=1e-5, atol=1e-6)
