@@ -108,6 +108,14 @@ def test_num_seeds_beyond_the_open_file_limit_is_refused_first(script, tmp_path,
     assert_refused_before_work(code, capsys, tmp_path, "--num-seeds")
 
 
+def test_the_open_file_check_counts_files_per_seed(capsys):
+    with open_file_limit(1024):
+        leanrl_utils.checks.open_files(100)
+        with pytest.raises(SystemExit):
+            leanrl_utils.checks.open_files(100_000)
+    assert "open files" in capsys.readouterr().err
+
+
 @contextlib.contextmanager
 def open_file_limit(limit):
     """At most `limit` open files (the common default) for the block."""

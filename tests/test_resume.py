@@ -1,7 +1,6 @@
 """--resume: a run stopped partway and resumed ends as the run unbroken; bad resumes are one line, exit 2."""
 
 import collections
-import functools
 import io
 import json
 import os
@@ -181,7 +180,7 @@ def test_a_signal_during_the_cold_compile_ends_it_and_saves(script, tmp_path):
 def test_a_signal_in_a_finalizer_still_ends_the_cold_compile(capsys):
     """The signal is sent again: the compile ends within seconds, the call runs eagerly, nothing is printed."""
     lead = types.SimpleNamespace(stop_signal=None, compiling=False)
-    lead.lead, previous = lead, signal.signal(signal.SIGTERM, functools.partial(leanrl_utils.Run.on_signal, lead))
+    lead.lead, previous = lead, signal.signal(signal.SIGTERM, types.MethodType(leanrl_utils.Run.on_signal, lead))
 
     def cold(x):
         weakref.finalize(set(), os.kill, os.getpid(), signal.SIGTERM)  # Python drops what is raised there

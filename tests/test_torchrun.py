@@ -202,3 +202,14 @@ def test_drifted_ranks_stop_the_run(drift, workdir):
         assert len(lines) == 2 and all(" 2 the ranks' parameters differ" in line for line in lines), lines
     else:
         assert lines == ["rank 0: 1 None", "rank 1: 1 None"]
+
+
+def test_the_distributed_helpers_live_in_leanrl_utils():
+    """Every lean script that takes torchrun calls leanrl_utils.torchrun's helpers (none defines its own: test_faults)."""
+    names = ["init", "error_line", "broadcast", "all_reduce_mean", "gather_episodes", "leave"]
+    for path in LEAN_PPO:
+        text = path.read_text()
+        assert all(f"torchrun.{name}(" in text for name in names), (
+            path.name,
+            [n for n in names if f"torchrun.{n}(" not in text],
+        )
