@@ -129,6 +129,18 @@ def spy(monkeypatch, owner, name, keep=lambda out, *args, **kwargs: out):
     return seen
 
 
+def scalars(run_dir, but=("charts/SPS",)):
+    """Every scalar in a run's TensorBoard events, (tag, step, value) in the order written, but the tags `but`."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    events = [e for path in sorted(Path(run_dir).glob("events.out.tfevents.*")) for e in EventFileLoader(str(path)).Load()]
+    return [(v.tag, e.step, v.tensor.float_val[0]) for e in events for v in e.summary.value
+            if v.tag not in but and len(v.tensor.float_val) == 1]  # fmt: skip
+
+
+final_weights = lambda workdir, summary: torch.load(Path(workdir) / summary["checkpoint"], weights_only=True)["model"]
+
+
 def run_without(module, script, *args, cwd):
     """Run a script as if `module` were not installed (its import fails)."""
     command = [*script_command(script, before=f"import sys; sys.modules[{module!r}] = None"), *map(str, args)]
@@ -433,22 +445,10 @@ def tiny_value(script, flag, default=None):
 pair = lambda name: (scripts(f"{name}.py")[0], scripts(f"{name}_torchcompile.py")[0])  # a family's plain and lean scripts
 
 
-@pytest.fixture(scope="module")
-def plain(request):
-    """The plain script of the test module's FAMILY, imported."""
-    return load_script(pair(request.module.FAMILY)[0])
-
-
-@pytest.fixture(scope="module")
-def lean(request):
-    """The lean script of the test module's FAMILY, imported."""
-    return load_script(pair(request.module.FAMILY)[1])
-
-
-@pytest.fixture(params=["plain", "lean"])
-def either(request):
-    """Each script of the test module's FAMILY in turn, imported."""
-    return request.getfixturevalue(request.param)
+# The test module's FAMILY, its plain and its lean script, each imported once for the module; `either`: each in turn.
+plain = pytest.fixture(scope="module", name="plain")(lambda request: load_script(pair(request.module.FAMILY)[0]))
+lean = pytest.fixture(scope="module", name="lean")(lambda request: load_script(pair(request.module.FAMILY)[1]))
+either = pytest.fixture(params=["plain", "lean"], name="either")(lambda request: request.getfixturevalue(request.param))
 
 
 def assert_refused_before_work(code, capsys, tmp_path, *words, started=False):

@@ -7,6 +7,7 @@ import pickle
 import pkgutil
 import signal
 import sys
+from itertools import cycle
 from pathlib import Path
 
 import pytest
@@ -43,9 +44,8 @@ SEEDED = [s for s in ALL if "num_seeds" in load_script(s).Args.__dataclass_field
 DISTRIBUTED = [s for s in ALL if "dist_timeout" in load_script(s).Args.__dataclass_fields__]
 
 
-# assert_refused_before_work, where the run may have started (its folder exists).
-assert_refused = lambda code, capsys, *words: assert_refused_before_work(code, capsys, None, *words, started=True)
-no_run_folder = lambda tmp_path: not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+def in_turn(scripts):  # each script once, SIGINT and SIGTERM in turn: every script and both signals (handled alike)
+    return [pytest.param(s, n, id=f"{s.stem}-{n.name}") for s, n in zip(scripts, cycle([signal.SIGINT, signal.SIGTERM]))]
 
 
 def cases(scripts, argvs, words, missing=None):
@@ -163,7 +163,7 @@ def test_a_malformed_checkpoint_is_one_line(script, tmp_path, monkeypatch, capsy
         path = tmp_path / f"{name}.pt"
         torch.save(checkpoint, path)
         code = main_in_process(module, "--load-model", path, tmp_path=tmp_path, monkeypatch=monkeypatch)
-        assert_refused(code, capsys, f"{name}.pt", *words)
+        assert_refused_before_work(code, capsys, None, f"{name}.pt", *words, started=True)
 
 
 class RunsCode:
@@ -196,7 +196,7 @@ def test_a_file_that_is_not_this_pairs_checkpoint_is_one_line(script, tmp_path, 
         path = tmp_path / name
         code = main_in_process(load_script(script), "--load-model", path, tmp_path=tmp_path, monkeypatch=monkeypatch)
         assert_refused_before_work(code, capsys, tmp_path, *words, started=True)
-        assert name == "whole.pt" or no_run_folder(tmp_path), list((tmp_path / "runs").rglob("*"))
+        assert name == "whole.pt" or not any((tmp_path / "runs").glob("*")), list((tmp_path / "runs").rglob("*"))
     assert not (tmp_path / "pwned").exists()
 
 
@@ -231,8 +231,7 @@ def test_only_finite_weights_are_saved(script, tmp_path, monkeypatch, capsys):
         assert torch.isfinite(weight).all() and torch.all(weight == (7.0 if expected == "last" else 1.0))
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-@pytest.mark.parametrize("script", ALL, ids=lambda s: s.stem)
+@pytest.mark.parametrize("script, signum", in_turn(ALL))
 def test_signal_during_training_saves_and_exits_non_zero(script, signum, workdir):
     """SIGINT exits 130 and SIGTERM 143, after saving a finite checkpoint that loads as tensors."""
     proc = start_long_run(script, workdir, "--total-timesteps", 10_000_000, "--save-model")
@@ -254,8 +253,7 @@ sys.setprofile(profile)
 """
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-@pytest.mark.parametrize("script", PLAIN, ids=lambda s: s.stem)
+@pytest.mark.parametrize("script, signum", in_turn(PLAIN))
 def test_signal_during_evaluation_still_prints_the_summary(script, signum, workdir):
     summary, _ = run_script(script, *TINY[family(script)], "--save-model", cwd=workdir)
     before = SIGNAL_IN_EVALUATION.format(signum=int(signum))

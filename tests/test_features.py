@@ -5,24 +5,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, family, is_lean, load_script, main_in_process, run_script, scripts
+from conftest import TINY, family, is_lean, load_script, main_in_process, pair, run_script, scripts
 
 ALL = scripts("*.py")
 PLAIN = [s for s in ALL if not is_lean(s)]
 
 
-twin = lambda script: script.with_name(script.stem + "_torchcompile.py")
-
-
 @pytest.mark.parametrize("script", PLAIN, ids=lambda s: s.stem)
 def test_checkpoint_round_trip_across_the_pair(script, workdir):
     """A checkpoint saved by one script of the pair evaluates to the same return in both."""
-    trained_by = twin(script) if PLAIN.index(script) % 2 else script
+    twin = pair(family(script))[1]
+    trained_by = twin if PLAIN.index(script) % 2 else script
     summary, _ = run_script(trained_by, *TINY[family(script)], "--save-model", cwd=workdir)
     path = Path(workdir) / summary["checkpoint"]
     assert path.is_file() and not Path(str(path) + ".tmp").exists()
     evals = []
-    for evaluated_by in (script, twin(script)):
+    for evaluated_by in (script, twin):
         argv = [*TINY[family(script)], "--load-model", path, "--total-timesteps", "0", "--eval-episodes", "2"]
         summary, _ = run_script(evaluated_by, *argv, cwd=workdir)
         assert summary["updates"] == 0 and summary["total_steps"] == 0 and math.isfinite(summary["eval_return"])

@@ -2,9 +2,8 @@
 
 import pytest
 import torch
-from conftest import TINY, assert_same_run, pair, recorded_runs, run_script, spy
+from conftest import TINY, assert_same_run, final_weights, pair, recorded_runs, run_script, scalars, spy
 from test_ppo_family import inverse_cdf, reference_gae
-from test_resume import final_weights, scalars
 
 import leanrl_envs
 import leanrl_utils

@@ -13,7 +13,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import SCRIPTS, TINY, assert_one_line_error, family, run_script, scripts, signal_at_step, start_script, wait_for
+from conftest import (
+    SCRIPTS,
+    TINY,
+    assert_one_line_error,
+    family,
+    final_weights,
+    run_script,
+    scalars,
+    scripts,
+    signal_at_step,
+    start_script,
+    wait_for,
+)
 
 import leanrl_utils
 
@@ -63,19 +75,6 @@ STOP_AT = {"dqn": 250, "pqn": 300, "ppo": 300, "sac_continuous_action": 150, "td
 RESUMABLE = [s for s in scripts("*.py") if family(s) in STOP_AT]
 
 
-def scalars(run_dir):
-    """Every scalar in the run's TensorBoard events, (tag, step, value) in the order written, but steps/s."""
-    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
-
-    points = []
-    for path in sorted(Path(run_dir).glob("events.out.tfevents.*")):
-        for event in EventFileLoader(str(path)).Load():
-            for value in event.summary.value:
-                if value.tag != "charts/SPS" and len(value.tensor.float_val) == 1:
-                    points.append((value.tag, event.step, value.tensor.float_val[0]))
-    return points
-
-
 curve_steps = lambda run_dir: [line.split(",")[0] for line in (Path(run_dir) / "curve.csv").read_text().splitlines()]
 
 
@@ -91,9 +90,6 @@ def assert_every_log_point_once(run_dir, total):
     logged = loss_steps(run_dir)
     every = logged[1] - logged[0]  # log points are evenly spaced: none missing, none twice
     assert logged == list(range(logged[0], total + 1, every)), logged
-
-
-final_weights = lambda workdir, summary: torch.load(Path(workdir) / summary["checkpoint"], weights_only=True)["model"]
 
 
 TWICE = [s for s in RESUMABLE if s.stem in ("dqn_torchcompile", "ppo_continuous_action_torchcompile")]
