@@ -11,6 +11,8 @@ import pytest
 import torch
 from conftest import assert_bad_input, load_script, pair, run_script, script_command, script_env, scripts, signal_at_step, tiny
 
+import leanrl_utils
+
 # The lean PPO scripts that take torchrun (--dist-timeout among their flags; not those whose envs live on the device).
 LEAN_PPO = [s for s in scripts("ppo_*_torchcompile.py") if "dist_timeout" in load_script(s).Args.__dataclass_fields__]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -209,7 +211,6 @@ def test_the_distributed_helpers_live_in_leanrl_utils():
     names = ["init", "error_line", "broadcast", "all_reduce_mean", "gather_episodes", "leave"]
     for path in LEAN_PPO:
         text = path.read_text()
-        assert all(f"torchrun.{name}(" in text for name in names), (
-            path.name,
-            [n for n in names if f"torchrun.{n}(" not in text],
-        )
+        missing = [name for name in names if f"torchrun.{name}(" not in text]
+        assert not missing, (path.name, missing)
+    assert all(callable(getattr(leanrl_utils.torchrun, name)) for name in names)
